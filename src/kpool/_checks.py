@@ -1,0 +1,94 @@
+"""Host-side argument validation shared by every public op. Errors name the argument."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .layout import ENTRY_BYTES, HEAD_DIM, TILE
+
+INT_DTYPES = (torch.int32, torch.int64)
+
+
+def check_tensor(name: str, t, *, dtype=None, ndim: int | None = None, shape=None, device=None,
+                 inner_contiguous: bool = False) -> None:
+    """Raise ``TypeError``/``ValueError`` naming ``name`` unless ``t`` matches.
+
+    ``dtype`` may be a dtype or a tuple of allowed dtypes; ``shape`` entries of ``None``
+    are free.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtype is not None:
+        allowed = dtype if isinstance(dtype, tuple) else (dtype,)
+        if t.dtype not in allowed:
+            want = " or ".join(str(a) for a in allowed)
+            raise TypeError(f"{name} must have dtype {want}, got {t.dtype}")
+    if ndim is not None and t.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if shape is not None:
+        if t.ndim != len(shape) or any(w is not None and w != s for w, s in zip(shape, t.shape)):
+            want = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
+            raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
+    if device is not None and t.device != torch.device(device):
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+    if inner_contiguous and t.ndim and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a unit inner stride, got strides {t.stride()}")
+
+
+def check_pool_size(pool_size: int) -> None:
+    if not isinstance(pool_size, int) or pool_size < 1:
+        raise ValueError(f"pool_size must be a positive int, got {pool_size!r}")
+
+
+def check_kv_cache(kv_cache, layout: str, device) -> None:
+    """``kv_cache [num_pages, PAGE, 132] uint8`` with 4-byte-aligned pages and unit inner strides."""
+    check_tensor("kv_cache", kv_cache, dtype=torch.uint8, ndim=3, device=device)
+    if kv_cache.shape[2] != ENTRY_BYTES:
+        raise ValueError(f"kv_cache must have last dim {ENTRY_BYTES} (128 key bytes + 4 scale bytes), "
+                         f"got shape {list(kv_cache.shape)}")
+    page = kv_cache.shape[1]
+    if kv_cache.stride(2) != 1 or kv_cache.stride(1) != ENTRY_BYTES:
+        raise ValueError(f"kv_cache pages must be dense inside (strides [*, 132, 1]), got {kv_cache.stride()}")
+    if kv_cache.shape[0] > 1 and kv_cache.stride(0) < page * ENTRY_BYTES:
+        raise ValueError(f"kv_cache.stride(0) = {kv_cache.stride(0)} overlaps pages of {page * ENTRY_BYTES} bytes")
+    if kv_cache.stride(0) % 4 or kv_cache.storage_offset() % 4:
+        raise ValueError("kv_cache pages must start on 4-byte boundaries (fp32 scales): "
+                         f"stride(0) = {kv_cache.stride(0)}, storage_offset = {kv_cache.storage_offset()}")
+    if layout == "preshuffle" and page % TILE:
+        raise ValueError(f"layout='preshuffle' needs a page size that is a multiple of {TILE}, got {page}")
+
+
+def check_tail(tail, pool_size: int, device) -> int:
+    """``tail [num_blocks, 2, RING, 128] bf16`` with dense rows; returns RING."""
+    check_tensor("tail_kv_cache", tail, dtype=torch.bfloat16, ndim=4, device=device)
+    if tail.shape[1] != 2 or tail.shape[3] != HEAD_DIM:
+        raise ValueError(f"tail_kv_cache must have shape [num_blocks, 2, RING, {HEAD_DIM}], got {list(tail.shape)}")
+    ring = tail.shape[2]
+    if ring < pool_size or ring % pool_size:
+        raise ValueError(f"tail_kv_cache ring size (shape[2] = {ring}) must be a positive multiple of "
+                         f"pool_size = {pool_size}")
+    if tail.stride(3) != 1 or tail.stride(2) != HEAD_DIM:
+        raise ValueError(f"tail_kv_cache rows must be dense (strides [*, *, 128, 1]), got {tail.stride()}")
+    return ring
+
+
+def check_head_dim(head_dim: int) -> None:
+    if head_dim != HEAD_DIM:
+        raise ValueError(f"head_dim must be {HEAD_DIM} (Hadamard-128), got {head_dim}")
+
+
+def range_checks_enabled() -> bool:
+    """Sync-needing value checks (slot ranges) run unless ``KPOOL_CHECK=0`` or a graph is captured."""
+    if os.environ.get("KPOOL_CHECK", "1") == "0":
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def check_index_range(name: str, t: torch.Tensor, upper: int, what: str) -> None:
+    """Every non-negative entry of ``t`` must be ``< upper`` (negatives are padding)."""
+    if t.numel() and range_checks_enabled():
+        top = int(t.max())
+        if top >= upper:
+            raise ValueError(f"{name} holds {top}, outside the {what} (valid: 0..{upper - 1}, negative = padding)")

@@ -1,0 +1,132 @@
+"""The exact arithmetic of SPEC.md §2 in plain torch ("serving bytes").
+
+Every step is an IEEE fp32 operation in a fixed order, so the Triton kernels (which
+perform the same operations in the same order, with FMA contraction disabled and
+``div_rn`` divisions) give identical bits on every GPU and in the CPU interpreter:
+
+* exp is ``2^n * poly7(r)`` with ``t = x*log2(e)``, ``n = floor(t + 0.5)``, ``r = t - n``;
+* bf16 rounding and fp8 encoding are integer operations on the fp32 bit pattern;
+* the ue8m0 scale ``2^ceil(log2(v))`` is read off the exponent and mantissa bits.
+
+All functions take and return fp32 tensors unless stated otherwise. No Triton here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .layout import AMAX_FLOOR, HADAMARD_SCALE, HEAD_DIM, fp8_max
+
+LOG2E = 1.4426950408889634
+EXP_T_MIN = -100.0  # exp(x) for x*log2(e) < -100 is taken at -100 (~8e-31): keeps 2^n normal
+# Taylor coefficients of 2^r = exp(r ln2), degree 7, highest first (Horner order).
+EXP2_POLY = tuple(math.log(2.0) ** k / math.factorial(k) for k in range(7, -1, -1))
+
+_F32 = torch.float32
+
+
+def _c(value: float, like: torch.Tensor) -> torch.Tensor:
+    """An fp32 scalar tensor (so torch never widens a Python float to fp64)."""
+    return torch.tensor(value, dtype=_F32, device=like.device)
+
+
+def exp_exact(x: torch.Tensor) -> torch.Tensor:
+    """``exp(x)`` for ``x <= 0`` from IEEE multiplies and adds only (rel. error < 2e-6)."""
+    t = torch.clamp_min(x * _c(LOG2E, x), EXP_T_MIN)
+    n = torch.floor(t + _c(0.5, x))
+    r = t - n
+    p = torch.full_like(r, EXP2_POLY[0])
+    for coef in EXP2_POLY[1:]:
+        p = p * r
+        p = p + _c(coef, x)
+    two_n = ((n.to(torch.int32) + 127) << 23).view(_F32)
+    return p * two_n
+
+
+def bf16_round(x: torch.Tensor) -> torch.Tensor:
+    """Round fp32 to the nearest bf16 (ties to even), returned as fp32. NaN stays NaN (quiet)."""
+    u = x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    r = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    r = torch.where(torch.isnan(x), (u | 0x00400000) & 0xFFFF0000, r)
+    return torch.where(r >= 2**31, r - 2**32, r).to(torch.int32).view(_F32)
+
+
+def fwht128(x: torch.Tensor) -> torch.Tensor:
+    """Unscaled Sylvester Walsh–Hadamard over the last dim (128): strides 1, 2, ..., 64."""
+    lead = x.shape[:-1]
+    stride = 1
+    while stride < HEAD_DIM:
+        y = x.reshape(*lead, HEAD_DIM // (2 * stride), 2, stride)
+        a, b = y[..., 0, :], y[..., 1, :]
+        x = torch.stack((a + b, a - b), dim=-2).reshape(*lead, HEAD_DIM)
+        stride *= 2
+    return x
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """``bf16(FWHT128(x) * fp32(1/sqrt(128)))`` of fp32 ``x [..., 128]``."""
+    return bf16_round(fwht128(x) * _c(HADAMARD_SCALE, x))
+
+
+def quant_scale(amax: torch.Tensor, fp8_dtype: torch.dtype, round_scale: bool = True) -> torch.Tensor:
+    """Per-vector scale from ``amax`` (fp32): ``2^ceil(log2(v))`` (ue8m0) or ``v``,
+    with ``v = max(amax, 1e-4) * fp32(1/FP8_MAX)``."""
+    v = torch.clamp_min(amax, AMAX_FLOOR) * _c(1.0 / fp8_max(fp8_dtype), amax)
+    if not round_scale:
+        return v
+    bits = v.contiguous().view(torch.int32)
+    exponent = (bits >> 23) & 0xFF
+    exponent = exponent + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return (exponent << 23).view(_F32)
+
+
+def fp8_encode(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """fp32 -> fp8 codes (uint8): clamp to ``±FP8_MAX`` (NaN kept), round to nearest even."""
+    m = fp8_max(fp8_dtype)
+    return torch.clamp(x, -m, m).to(fp8_dtype).view(torch.uint8)
+
+
+def quantize(y: torch.Tensor, fp8_dtype: torch.dtype, round_scale: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row fp8 quantization of bf16-exact fp32 ``y [n, 128]``.
+
+    Returns ``(codes [n, 128] uint8, scale [n] fp32)``.
+    """
+    amax = torch.amax(torch.abs(y), dim=-1) if y.shape[0] else torch.zeros(0, dtype=_F32, device=y.device)
+    scale = quant_scale(amax, fp8_dtype, round_scale)
+    return fp8_encode(y / scale[:, None], fp8_dtype), scale
+
+
+def pool_softmax(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor) -> torch.Tensor:
+    """Per-dim softmax(gate + ape) pooling, rounded to bf16 (SPEC §2 steps 1-2).
+
+    ``keys``, ``gates``: ``[n, P, 128]`` bf16; ``ape``: ``[P, 128]`` fp32. Returns fp32 ``[n, 128]``.
+    Slots are visited in order 0..P-1 (two passes: max, then exp / sums).
+    """
+    n, pool, _ = keys.shape
+    logits = gates.to(_F32) + ape.to(_F32)[None]
+    top = logits[:, 0]
+    for s in range(1, pool):
+        top = torch.maximum(top, logits[:, s])
+    acc = torch.zeros(n, HEAD_DIM, dtype=_F32, device=keys.device)
+    den = torch.zeros_like(acc)
+    for s in range(pool):
+        e = exp_exact(logits[:, s] - top)
+        den = den + e
+        acc = acc + e * keys[:, s].to(_F32)
+    return bf16_round(acc / den)
+
+
+def compress_pools(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor, fp8_dtype: torch.dtype,
+                   round_scale: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Complete pools -> cache entries. ``[n, P, 128]`` bf16 keys/gates, ``[P, 128]`` fp32 ape.
+
+    Returns ``(codes [n, 128] uint8, scale [n] fp32)``.
+    """
+    return quantize(rotate(pool_softmax(keys, gates, ape)), fp8_dtype, round_scale)
+
+
+def rotate_quant_rows(q: torch.Tensor, fp8_dtype: torch.dtype, round_scale: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query side: ``q [rows, 128]`` bf16 -> ``(codes [rows, 128] uint8, scale [rows] fp32)``."""
+    return quantize(rotate(q.to(_F32)), fp8_dtype, round_scale)

@@ -1,0 +1,183 @@
+"""Shared ``@triton.jit`` helpers: the exact pooling arithmetic of SPEC.md §2.
+
+Each helper performs the same IEEE operations in the same order as ``kpool.numerics``;
+kernels that use them are launched with ``enable_fp_fusion=False``. Tiles are
+``[BN, 128]`` (BN pools or rows, 128 dims); ``d`` is ``tl.arange(0, 128)``.
+"""
+
+import triton
+import triton.language as tl
+
+from ..numerics import EXP2_POLY, EXP_T_MIN, LOG2E
+from ..layout import AMAX_FLOOR, HADAMARD_SCALE
+
+_C7, _C6, _C5, _C4, _C3, _C2, _C1, _C0 = EXP2_POLY
+
+
+@triton.jit
+def exp_exact(x):
+    """exp(x) for x <= 0: ``2^n * poly7(r)``, ``t = x*log2(e)``, ``n = floor(t + 0.5)``."""
+    t = tl.maximum(x * LOG2E, EXP_T_MIN)
+    n = tl.floor(t + 0.5)
+    r = t - n
+    p = r * _C7 + _C6
+    p = p * r + _C5
+    p = p * r + _C4
+    p = p * r + _C3
+    p = p * r + _C2
+    p = p * r + _C1
+    p = p * r + _C0
+    two_n = ((n.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
+    return p * two_n
+
+
+@triton.jit
+def bf16_round(x):
+    """fp32 -> nearest bf16 (ties to even) as fp32, by integer ops (NaN stays NaN)."""
+    u = x.to(tl.uint32, bitcast=True)
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+    q = ((u >> 16) | 0x40) << 16
+    return tl.where(x != x, q, r).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _butterfly(x, BN: tl.constexpr, STRIDE: tl.constexpr):
+    # [BN, 128] -> pairs (i, i + STRIDE) inside blocks of 2*STRIDE -> (a + b, a - b)
+    y = tl.reshape(x, (BN, 64 // STRIDE, 2, STRIDE))
+    a, b = tl.split(tl.permute(y, (0, 1, 3, 2)))
+    y = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
+    return tl.reshape(y, (BN, 128))
+
+
+@triton.jit
+def rotate(x, BN: tl.constexpr):
+    """``bf16(FWHT128(x) * fp32(1/sqrt(128)))`` of a ``[BN, 128]`` fp32 tile."""
+    x = _butterfly(x, BN, 1)
+    x = _butterfly(x, BN, 2)
+    x = _butterfly(x, BN, 4)
+    x = _butterfly(x, BN, 8)
+    x = _butterfly(x, BN, 16)
+    x = _butterfly(x, BN, 32)
+    x = _butterfly(x, BN, 64)
+    return bf16_round(x * HADAMARD_SCALE)
+
+
+@triton.jit
+def quant_scale(amax, INV_MAX: tl.constexpr, ROUND_SCALE: tl.constexpr):
+    """``v = max(amax, 1e-4) * INV_MAX``; ``2^ceil(log2(v))`` from its bits, or ``v``."""
+    v = tl.maximum(amax, AMAX_FLOOR) * INV_MAX
+    if ROUND_SCALE:
+        bits = v.to(tl.int32, bitcast=True)
+        e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        v = (e << 23).to(tl.float32, bitcast=True)
+    return v
+
+
+@triton.jit
+def fp8_encode(x, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr):
+    """fp32 -> fp8 e4m3 code (uint8) by integer ops: clamp to ±FP8_MAX, RNE, NaN kept.
+
+    ``FNUZ``: e4m3fnuz (bias 8, NaN 0x80, no -0) instead of e4m3fn (bias 7, NaN 0x7F|sign).
+    Bit-identical to torch's ``clamp(x).to(fp8)`` and to the native conversions.
+    """
+    y = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
+    u = y.to(tl.uint32, bitcast=True)
+    sign = u >> 31
+    a = u & 0x7FFFFFFF
+    af = a.to(tl.float32, bitcast=True)
+    if FNUZ:
+        min_normal: tl.constexpr = 0.0078125  # 2^-7
+        sub_scale: tl.constexpr = 1024.0  # 1 / 2^-10
+        rebias: tl.constexpr = (127 - 8) << 3
+    else:
+        min_normal: tl.constexpr = 0.015625  # 2^-6
+        sub_scale: tl.constexpr = 512.0  # 1 / 2^-9
+        rebias: tl.constexpr = (127 - 7) << 3
+    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - rebias
+    sub = ((af * sub_scale + 8388608.0) - 8388608.0).to(tl.uint32)
+    code = tl.where(af < min_normal, sub, normal)
+    if FNUZ:
+        code = tl.where(code != 0, code | (sign << 7), code)
+        code = tl.where(x != x, 0x80, code)
+    else:
+        code = code | (sign << 7)
+        code = tl.where(x != x, 0x7F | ((x.to(tl.uint32, bitcast=True) >> 31) << 7), code)
+    return code.to(tl.uint8)
+
+
+@triton.jit
+def quantize(y, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr, ROUND_SCALE: tl.constexpr):
+    """Per-row fp8 of a bf16-exact ``[BN, 128]`` fp32 tile -> (codes uint8 [BN,128], scale [BN])."""
+    amax = tl.max(tl.abs(y), axis=1)
+    scale = quant_scale(amax, 1.0 / FP8_MAX, ROUND_SCALE)
+    codes = fp8_encode(tl.math.div_rn(y, scale[:, None]), FP8_MAX, FNUZ)
+    return codes, scale
+
+
+@triton.jit
+def key_offset(state, d, PRESHUFFLE: tl.constexpr):
+    """Byte offset of key code (state, dim) inside a page (plain or 16x16 preshuffled)."""
+    if PRESHUFFLE:
+        return (state // 16) * 2048 + (d // 16) * 256 + (state % 16) * 16 + d % 16
+    else:
+        return state * 128 + d
+
+
+@triton.jit
+def store_entries(kv_ptr, kv_f32_ptr, page_stride, loc, ok, codes, scale, d,
+                  PAGE: tl.constexpr, PRESHUFFLE: tl.constexpr):
+    """Write ``codes [BN, 128]`` / ``scale [BN]`` at flat slots ``loc [BN]`` where ``ok``.
+
+    ``kv_ptr`` is the uint8 cache, ``kv_f32_ptr`` the same memory as fp32;
+    ``page_stride`` is ``kv_cache.stride(0)`` in bytes (a multiple of 4).
+    """
+    loc = tl.where(ok, loc, 0).to(tl.int64)
+    page = loc // PAGE
+    state = loc % PAGE
+    base = page * page_stride
+    tl.store(kv_ptr + base[:, None] + key_offset(state[:, None], d[None, :], PRESHUFFLE), codes,
+             mask=ok[:, None])
+    tl.store(kv_f32_ptr + (base + PAGE * 128) // 4 + state, scale, mask=ok)
+
+
+@triton.jit
+def _slot_rows(ptr, off, step, ring_ptr, ring_row, s, n_ring, live, d, HAS_RING: tl.constexpr):
+    # fp32 [BN, 128] rows of slot s: token rows off + s*step, or ring rows where s < n_ring
+    if HAS_RING:
+        in_ring = s < n_ring
+        x = tl.load(ptr + (off + s * step)[:, None] + d[None, :], mask=(live & ~in_ring)[:, None], other=0.0)
+        xr = tl.load(ring_ptr + ring_row[:, None] + d[None, :], mask=(live & in_ring)[:, None], other=0.0)
+        x = tl.where(in_ring[:, None], xr.to(tl.float32), x.to(tl.float32))
+    else:
+        x = tl.load(ptr + (off + s * step)[:, None] + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def pool_vector(k_ptr, g_ptr, k_off, g_off, k_step, g_step,
+                ring_ptr, ring_off, ring_head, ring_pos0, n_ring,
+                ape_ptr, ape_stride, d, live,
+                BN: tl.constexpr, P: tl.constexpr, RING: tl.constexpr, HAS_RING: tl.constexpr):
+    """Softmax(gate + ape)-pooled keys of BN pools, rounded to bf16 (SPEC §2 steps 1-2).
+
+    Slot ``s`` of pool ``i`` is read from the ring (block at element ``ring_off[i]``, slot
+    ``(ring_pos0[i] + s) % RING``, gates ``ring_head`` elements further) when
+    ``HAS_RING`` and ``s < n_ring[i]``, else from the token rows ``k_off[i] + s*k_step``
+    and ``g_off[i] + s*g_step``. Two passes in slot order: the max of the logits, then
+    exp, denominator and weighted sum. Returns fp32 ``[BN, 128]``; rows not ``live`` are 0.
+    """
+    top = tl.full((BN, 128), float("-inf"), tl.float32)
+    for s in tl.static_range(P):
+        ring_row = ring_off + ((ring_pos0 + s) % RING) * 128
+        g = _slot_rows(g_ptr, g_off, g_step, ring_ptr, ring_row + ring_head, s, n_ring, live, d, HAS_RING)
+        top = tl.maximum(top, g + tl.load(ape_ptr + s * ape_stride + d)[None, :])
+    acc = tl.zeros((BN, 128), tl.float32)
+    den = tl.zeros((BN, 128), tl.float32)
+    for s in tl.static_range(P):
+        ring_row = ring_off + ((ring_pos0 + s) % RING) * 128
+        g = _slot_rows(g_ptr, g_off, g_step, ring_ptr, ring_row + ring_head, s, n_ring, live, d, HAS_RING)
+        k = _slot_rows(k_ptr, k_off, k_step, ring_ptr, ring_row, s, n_ring, live, d, HAS_RING)
+        e = exp_exact((g + tl.load(ape_ptr + s * ape_stride + d)[None, :]) - top)
+        den = den + e
+        acc = acc + e * k
+    return bf16_round(tl.math.div_rn(acc, den))

@@ -1,0 +1,151 @@
+"""Complete pools -> fp8 cache entries (prefill, chunked prefill).
+
+``kpool_compress_and_write_cache`` is the seed-compatible entry point (pools gathered as
+``[n_pools, P, 128]``, any strides, token-major windows included). ``compress_token_pools``
+reads pools straight from token-major ``[T, 128]`` keys and gates, with the leading slots
+of a pool optionally taken from the tail ring (a chunk that starts mid-pool).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import reference
+from .._backend import backend_for
+from .._checks import (INT_DTYPES, check_head_dim, check_index_range, check_kv_cache, check_pool_size,
+                       check_tensor)
+from ..layout import HEAD_DIM, fp8_max, resolve_fp8_dtype, resolve_layout
+from . import _jit
+
+BLOCK_POOLS = 8
+
+
+@triton.jit
+def _compress_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
+                     k_ptr, g_ptr, k_pool_stride, k_slot_stride, g_pool_stride, g_slot_stride,
+                     ape_ptr, ape_stride, loc_ptr, mask_ptr, codes_ptr, scale_ptr,
+                     meta_ptr, ring_ptr, ring_block_stride, ring_head, n_pools,
+                     P: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr, BN: tl.constexpr,
+                     PRESHUFFLE: tl.constexpr, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr,
+                     ROUND_SCALE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_META: tl.constexpr,
+                     WRITE_CACHE: tl.constexpr, RETURN_COMPRESSED: tl.constexpr):
+    # One program per BN pools. Pool i's slot s is at k_ptr + base_i*k_pool_stride + s*k_slot_stride
+    # (base_i = i, or meta[i, 0] = its first token row when HAS_META; leading meta[i, 3] slots
+    # then come from ring block meta[i, 1] at positions meta[i, 2] + s).
+    pid = tl.program_id(0).to(tl.int64)
+    i = pid * BN + tl.arange(0, BN)
+    d = tl.arange(0, 128)
+    live = i < n_pools
+    if HAS_META:
+        row = tl.load(meta_ptr + i * 4, mask=live, other=0)
+        ring_off = tl.load(meta_ptr + i * 4 + 1, mask=live, other=0) * ring_block_stride
+        pos0 = tl.load(meta_ptr + i * 4 + 2, mask=live, other=0)
+        n_ring = tl.load(meta_ptr + i * 4 + 3, mask=live, other=0)
+    else:
+        row = i
+        ring_off = i
+        pos0 = i
+        n_ring = i
+    x = _jit.pool_vector(k_ptr, g_ptr, row * k_pool_stride, row * g_pool_stride, k_slot_stride, g_slot_stride,
+                         ring_ptr, ring_off, ring_head, pos0, n_ring, ape_ptr, ape_stride, d, live,
+                         BN, P, RING, HAS_META)
+    codes, scale = _jit.quantize(_jit.rotate(x, BN), FP8_MAX, FNUZ, ROUND_SCALE)
+    if WRITE_CACHE:
+        loc = tl.load(loc_ptr + i, mask=live, other=-1).to(tl.int64)
+        ok = live & (loc >= 0) & (loc < num_slots)
+        if HAS_MASK:
+            ok = ok & (tl.load(mask_ptr + i, mask=live, other=0) != 0)
+        _jit.store_entries(kv_ptr, kv_f32_ptr, page_stride, loc, ok, codes, scale, d, PAGE, PRESHUFFLE)
+    if RETURN_COMPRESSED:
+        tl.store(codes_ptr + i[:, None] * 128 + d[None, :], codes, mask=live[:, None])
+        tl.store(scale_ptr + i, scale, mask=live)
+
+
+def launch_compress(kv_cache, k, g, k_strides, g_strides, ape, loc, n_pools, pool_size, fp8_dtype, layout,
+                    round_scale=True, write_mask=None, meta=None, tail=None, codes=None, scale=None):
+    """Launch ``_compress_kernel`` over ``n_pools`` pools (arguments already validated).
+
+    ``k_strides``/``g_strides``: ``(pool_stride, slot_stride)`` in elements. ``meta``:
+    optional ``[n_pools, 4]`` int64 (first token row, ring block, pool start position,
+    slots from the ring) with ``tail`` the ring; ``codes``/``scale``: optional compact outputs.
+    """
+    if n_pools == 0:
+        return
+    write = kv_cache is not None
+    cache = kv_cache if write else k
+    cache_u8 = cache.view(torch.uint8) if write else loc
+    cache_f32 = kv_cache.view(torch.float32) if write else loc
+    grid = (triton.cdiv(n_pools, BLOCK_POOLS),)
+    _compress_kernel[grid](
+        cache_u8, cache_f32, kv_cache.stride(0) if write else 0,
+        kv_cache.shape[0] * kv_cache.shape[1] if write else 0,
+        k, g, k_strides[0], k_strides[1], g_strides[0], g_strides[1],
+        ape, ape.stride(0), loc if loc is not None else k, write_mask if write_mask is not None else k,
+        codes if codes is not None else k, scale if scale is not None else k,
+        meta if meta is not None else k, tail if tail is not None else k,
+        tail.stride(0) if tail is not None else 0, tail.stride(1) if tail is not None else 0, n_pools,
+        P=pool_size, RING=tail.shape[2] if tail is not None else pool_size,
+        PAGE=kv_cache.shape[1] if write else 1, BN=BLOCK_POOLS,
+        PRESHUFFLE=layout == "preshuffle", FP8_MAX=fp8_max(fp8_dtype),
+        FNUZ=fp8_dtype == torch.float8_e4m3fnuz, ROUND_SCALE=round_scale,
+        HAS_MASK=write_mask is not None, HAS_META=meta is not None,
+        WRITE_CACHE=write, RETURN_COMPRESSED=codes is not None,
+        enable_fp_fusion=False,
+    )
+
+
+def kpool_compress_and_write_cache(kv_cache, slot_k, slot_score, ape, loc, pool_size, head_dim=HEAD_DIM,
+                                   write_mask=None, round_scale=True, return_compressed=False, write_cache=True,
+                                   *, layout=None, fp8_dtype=None):
+    """Compress complete pools and write each at its flat cache slot, in place.
+
+    Parameters
+    ----------
+    kv_cache : uint8 ``[num_pages, PAGE, 132]`` indexer K cache (page stride may be padded).
+    slot_k, slot_score : bf16 ``[n_pools, P, 128]`` raw keys / gate scores (any pool and slot
+        strides, unit inner stride; a token-major window view works without a copy).
+    ape : fp32 ``[P, 128]`` per-slot position bias.
+    loc : int64 ``[n_pools]`` flat slot ``page*PAGE + state``; negative = skip.
+    pool_size : P.
+    write_mask : optional bool ``[n_pools]``: only rows with True are written.
+    round_scale : power-of-two (ue8m0) scales when True.
+    return_compressed : also return ``(codes [n_pools, 128] fp8_dtype, scale [n_pools] fp32)``.
+    write_cache : write into ``kv_cache`` (at least one of this and ``return_compressed``).
+    layout : ``"plain"`` or ``"preshuffle"`` (default: preshuffle on ROCm, else plain).
+    fp8_dtype : ``torch.float8_e4m3fn`` or ``torch.float8_e4m3fnuz`` (default from the platform).
+    """
+    check_head_dim(head_dim)
+    check_pool_size(pool_size)
+    check_tensor("slot_k", slot_k, dtype=torch.bfloat16, ndim=3, shape=(None, pool_size, HEAD_DIM),
+                 inner_contiguous=True)
+    device = slot_k.device
+    n = slot_k.shape[0]
+    check_tensor("slot_score", slot_score, dtype=torch.bfloat16, shape=tuple(slot_k.shape), device=device,
+                 inner_contiguous=True)
+    check_tensor("ape", ape, dtype=torch.float32, shape=(pool_size, HEAD_DIM), device=device, inner_contiguous=True)
+    if not (write_cache or return_compressed):
+        raise ValueError("nothing to do: write_cache=False and return_compressed=False")
+    layout = resolve_layout(layout, device)
+    fp8_dtype = resolve_fp8_dtype(fp8_dtype, device)
+    if write_cache:
+        check_kv_cache(kv_cache, layout, device)
+        check_tensor("loc", loc, dtype=INT_DTYPES, shape=(n,), device=device)
+        check_index_range("loc", loc, kv_cache.shape[0] * kv_cache.shape[1], "cache slots")
+    if write_mask is not None:
+        check_tensor("write_mask", write_mask, dtype=torch.bool, shape=(n,), device=device)
+    if backend_for(device) == "torch":
+        return reference.compress_and_write(kv_cache, slot_k, slot_score, ape, loc, write_mask, fp8_dtype, layout,
+                                            round_scale, return_compressed, write_cache)
+    codes = scale = None
+    if return_compressed:
+        codes = torch.empty((n, HEAD_DIM), dtype=torch.uint8, device=device)
+        scale = torch.empty((n,), dtype=torch.float32, device=device)
+    launch_compress(kv_cache if write_cache else None, slot_k, slot_score, slot_k.stride()[:2],
+                    slot_score.stride()[:2], ape, loc.contiguous() if write_cache else None, n, pool_size,
+                    fp8_dtype, layout, round_scale, write_mask.contiguous() if write_mask is not None else None,
+                    codes=codes, scale=scale)
+    if return_compressed:
+        return codes.view(fp8_dtype), scale
+    return None
