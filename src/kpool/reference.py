@@ -84,24 +84,45 @@ def seed_tail(tail, key, gate_score, tslot, kpool):
     tail[block, 1, slot] = gate_score[idx]
 
 
-def expand_pools_and_append_tail(pool_ids, seq_lens, pool_size):
+def seed_requests(tail, key, gate, meta):
+    """Per-request ring seeding: ``meta [R, 4]`` int64 rows ``(end_row, end_pos, block, n_keep)``;
+    rows ``[end_row - n_keep, end_row)`` go to ring slots ``pos % RING`` of ``block`` (< 0: skip)."""
+    ring = tail.shape[2]
+    for end_row, end_pos, block, n_keep in meta.tolist():
+        if block < 0 or n_keep <= 0:
+            continue
+        rows = torch.arange(end_row - n_keep, end_row, device=key.device)
+        slots = torch.arange(end_pos - n_keep, end_pos, device=key.device) % ring
+        tail[block, 0, slots] = key[rows]
+        tail[block, 1, slots] = gate[rows]
+
+
+def expand_pools_and_append_tail(pool_ids, seq_lens, pool_size, *, width=None, page_table=None):
     """``[rows, n_pools]`` pool ids + token-granular ``seq_lens [rows]`` -> int32
-    ``[rows, n_pools*P + P - 1]``: ``pool*P + o`` per selected pool (-1 for ids < 0), then
-    the tail tokens ``[seq_len//P*P, seq_len)``, -1 padded. Negative ``seq_lens`` count as 0."""
+    ``[rows, width]`` (default width ``n_pools*P + P - 1``): ``pool*P + o`` per selected pool
+    (-1 for ids < 0), then the tail tokens ``[seq_len//P*P, seq_len)``, -1 padded up to
+    ``width``. Negative ``seq_lens`` count as 0. With ``page_table [>= rows, W]`` every valid
+    token ``t`` of row ``r`` becomes ``page_table[r, clamp(t, 0, W-1)]``."""
     rows, n_pools = pool_ids.shape
     p = pool_size
     offs = torch.arange(p, device=pool_ids.device, dtype=torch.int64)
     ids = pool_ids.to(torch.int64)
-    hist = torch.where(ids[:, :, None] >= 0, ids[:, :, None] * p + offs, -1).reshape(rows, n_pools * p)
-    return torch.cat((hist, _tail_columns(seq_lens.to(torch.int64).clamp_min(0), p)), dim=1).to(torch.int32)
+    hist = (ids[:, :, None] * p + offs).reshape(rows, n_pools * p)
+    hist_ok = (ids[:, :, None] >= 0).expand(-1, -1, p).reshape(rows, n_pools * p)
+    tail, tail_ok = _tail_columns(seq_lens.to(torch.int64).clamp_min(0), p)
+    out = _map_tokens(torch.cat((hist, tail), dim=1), torch.cat((hist_ok, tail_ok), dim=1), page_table, None)
+    if width is not None and width > out.shape[1]:
+        pad = torch.full((rows, width - out.shape[1]), -1, dtype=torch.int32, device=out.device)
+        out = torch.cat((out, pad), dim=1)
+    return out
 
 
 def _tail_columns(seq_lens, pool_size):
-    """``[rows, P-1]`` int64 tail token ids of each row (``-1`` padded)."""
+    """``[rows, P-1]`` int64 tail token ids of each row and their validity."""
     start = torch.div(seq_lens, pool_size, rounding_mode="floor") * pool_size
     j = torch.arange(pool_size - 1, device=seq_lens.device, dtype=torch.int64)
     tok = start[:, None] + j
-    return torch.where(tok < seq_lens[:, None], tok, -1)
+    return tok, tok < seq_lens[:, None]
 
 
 def _map_tokens(tokens, valid, page_table, topk_offsets):
@@ -126,14 +147,15 @@ def expand_pools_to_tokens(group_ids, group_valid, topk, pool_size, page_table=N
 
 
 def append_tail_to_topk(topk_result, seq_lens, pool_lens, pool_size, page_table=None, topk_offsets=None):
-    """Append the ``seq_len - pool_len*P`` tail tokens after each row's own history."""
+    """Append the ``seq_len - pool_len*P`` tail tokens (at most ``P-1``) after each row's own
+    history. Negative ``seq_lens`` / ``pool_lens`` (padding rows) count as 0."""
     if pool_size == 1:
         return topk_result
     rows = topk_result.shape[0]
-    start = pool_lens.to(torch.int64) * pool_size
+    start = pool_lens.to(torch.int64).clamp_min(0) * pool_size
     j = torch.arange(pool_size - 1, device=topk_result.device, dtype=torch.int64)
     tokens = start[:, None] + j
-    valid = j[None, :] < (seq_lens.to(torch.int64) - start)[:, None]
+    valid = j[None, :] < (seq_lens.to(torch.int64).clamp_min(0) - start)[:, None]
     tail = _map_tokens(tokens, valid, page_table, topk_offsets)
     return torch.cat((topk_result.reshape(rows, -1), tail), dim=1)
 
@@ -145,11 +167,15 @@ def build_pooled_page_table(page_table, pool_size):
 
 
 def compute_pooled_write_locs(page_table_64, pool_ids, pool_size):
-    """Pool ids -> flat slots: ``page_table_64[(id // 64) * P] * 64 + id % 64`` (int64)."""
+    """Pool ids -> flat slots: ``page_table_64[(id // 64) * P] * 64 + id % 64`` (int64).
+
+    Negative ids, and ids whose page row is past the end of ``page_table_64``, give -1.
+    """
     ids = pool_ids.to(torch.int64)
-    group = torch.div(ids, 64, rounding_mode="floor")
-    page = page_table_64.index_select(0, group * pool_size).to(torch.int64)
-    return page * 64 + torch.remainder(ids, 64)
+    row = torch.div(ids, 64, rounding_mode="floor") * pool_size
+    ok = (ids >= 0) & (row < page_table_64.shape[0])
+    page = page_table_64.to(torch.int64)[torch.where(ok, row, 0)] if page_table_64.shape[0] else ids
+    return torch.where(ok, page * 64 + torch.remainder(ids, 64), -1)
 
 
 def pooled_keys(kv_cache, locs, layout):
@@ -158,7 +184,7 @@ def pooled_keys(kv_cache, locs, layout):
 
 
 __all__ = [
-    "compress_and_write", "decode_update", "seed_tail", "expand_pools_and_append_tail",
+    "compress_and_write", "decode_update", "seed_tail", "seed_requests", "expand_pools_and_append_tail",
     "expand_pools_to_tokens", "append_tail_to_topk", "build_pooled_page_table",
     "compute_pooled_write_locs", "pooled_keys", "HEAD_DIM",
 ]

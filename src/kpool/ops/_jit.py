@@ -141,16 +141,35 @@ def store_entries(kv_ptr, kv_f32_ptr, page_stride, loc, ok, codes, scale, d,
 
 
 @triton.jit
-def _slot_rows(ptr, off, step, ring_ptr, ring_row, s, n_ring, live, d, HAS_RING: tl.constexpr):
-    # fp32 [BN, 128] rows of slot s: token rows off + s*step, or ring rows where s < n_ring
+def load_slot(ptr, tok_off, ring_ptr, ring_row, in_ring, live, d, HAS_RING: tl.constexpr):
+    """fp32 ``[BN, 128]`` rows of one pool slot: token rows at element offsets ``tok_off``,
+    or (``HAS_RING`` and ``in_ring``) ring rows at ``ring_row``; rows not ``live`` read 0."""
     if HAS_RING:
-        in_ring = s < n_ring
-        x = tl.load(ptr + (off + s * step)[:, None] + d[None, :], mask=(live & ~in_ring)[:, None], other=0.0)
+        x = tl.load(ptr + tok_off[:, None] + d[None, :], mask=(live & ~in_ring)[:, None], other=0.0)
         xr = tl.load(ring_ptr + ring_row[:, None] + d[None, :], mask=(live & in_ring)[:, None], other=0.0)
         x = tl.where(in_ring[:, None], xr.to(tl.float32), x.to(tl.float32))
     else:
-        x = tl.load(ptr + (off + s * step)[:, None] + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        x = tl.load(ptr + tok_off[:, None] + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
     return x
+
+
+@triton.jit
+def slot_logit(g, ape_ptr, ape_stride, s, d):
+    """Pooling logit of slot ``s``: gate + ape[s] (fp32 ``[BN, 128]``)."""
+    return g + tl.load(ape_ptr + s * ape_stride + d)[None, :]
+
+
+@triton.jit
+def pool_accumulate(acc, den, logit, top, k):
+    """One slot of the second softmax pass: ``e = exp(l - max)``; ``den += e``; ``acc += e*k``."""
+    e = exp_exact(logit - top)
+    return acc + e * k, den + e
+
+
+@triton.jit
+def pool_finish(acc, den):
+    """``bf16(acc / den)`` (IEEE division)."""
+    return bf16_round(tl.math.div_rn(acc, den))
 
 
 @triton.jit
@@ -164,20 +183,28 @@ def pool_vector(k_ptr, g_ptr, k_off, g_off, k_step, g_step,
     ``(ring_pos0[i] + s) % RING``, gates ``ring_head`` elements further) when
     ``HAS_RING`` and ``s < n_ring[i]``, else from the token rows ``k_off[i] + s*k_step``
     and ``g_off[i] + s*g_step``. Two passes in slot order: the max of the logits, then
-    exp, denominator and weighted sum. Returns fp32 ``[BN, 128]``; rows not ``live`` are 0.
+    exp, denominator and weighted sum. Returns fp32 ``[BN, 128]``.
     """
     top = tl.full((BN, 128), float("-inf"), tl.float32)
     for s in tl.static_range(P):
         ring_row = ring_off + ((ring_pos0 + s) % RING) * 128
-        g = _slot_rows(g_ptr, g_off, g_step, ring_ptr, ring_row + ring_head, s, n_ring, live, d, HAS_RING)
-        top = tl.maximum(top, g + tl.load(ape_ptr + s * ape_stride + d)[None, :])
+        g = load_slot(g_ptr, g_off + s * g_step, ring_ptr, ring_row + ring_head, s < n_ring, live, d, HAS_RING)
+        top = tl.maximum(top, slot_logit(g, ape_ptr, ape_stride, s, d))
     acc = tl.zeros((BN, 128), tl.float32)
     den = tl.zeros((BN, 128), tl.float32)
     for s in tl.static_range(P):
         ring_row = ring_off + ((ring_pos0 + s) % RING) * 128
-        g = _slot_rows(g_ptr, g_off, g_step, ring_ptr, ring_row + ring_head, s, n_ring, live, d, HAS_RING)
-        k = _slot_rows(k_ptr, k_off, k_step, ring_ptr, ring_row, s, n_ring, live, d, HAS_RING)
-        e = exp_exact((g + tl.load(ape_ptr + s * ape_stride + d)[None, :]) - top)
-        den = den + e
-        acc = acc + e * k
-    return bf16_round(tl.math.div_rn(acc, den))
+        g = load_slot(g_ptr, g_off + s * g_step, ring_ptr, ring_row + ring_head, s < n_ring, live, d, HAS_RING)
+        k = load_slot(k_ptr, k_off + s * k_step, ring_ptr, ring_row, s < n_ring, live, d, HAS_RING)
+        acc, den = pool_accumulate(acc, den, slot_logit(g, ape_ptr, ape_stride, s, d), top, k)
+    return pool_finish(acc, den)
+
+
+@triton.jit
+def copy_rows_to_ring(tail_ptr, tail_head, dst_row, key_ptr, k_row, g_ptr, g_row, take, d):
+    """Copy bf16 key / gate rows (element offsets ``k_row``/``g_row``) to ring rows ``dst_row`` where ``take``."""
+    m = take[:, None]
+    k = tl.load(key_ptr + k_row[:, None] + d[None, :], mask=m)
+    g = tl.load(g_ptr + g_row[:, None] + d[None, :], mask=m)
+    tl.store(tail_ptr + dst_row[:, None] + d[None, :], k, mask=m)
+    tl.store(tail_ptr + tail_head + dst_row[:, None] + d[None, :], g, mask=m)
