@@ -34,6 +34,22 @@ def compress_and_write(kv_cache, slot_k, slot_score, ape, loc, write_mask, fp8_d
     return None
 
 
+def compress_token_pools(kv_cache, tail, key, gate, ape, meta, loc, pool_size, fp8_dtype, layout, round_scale=True):
+    """Reference of ``ops.compress.compress_token_pools``: pool ``i`` takes its slot ``s`` from
+    ring block ``meta[i, 1]`` at position ``meta[i, 2] + s`` when ``s < meta[i, 3]``, else from
+    token row ``meta[i, 0] + s`` of ``key`` / ``gate`` ``[T, 128]``."""
+    ring = tail.shape[2]
+    row0, block, pos0, n_ring = (meta[:, j, None] for j in range(4))
+    s = torch.arange(pool_size, device=key.device)[None, :]
+    from_ring = s < n_ring
+    rows = torch.where(from_ring, 0, row0 + s)
+    slots = (pos0 + s) % ring
+    blocks = block.expand(-1, pool_size)
+    keys = torch.where(from_ring[..., None], tail[blocks, 0, slots], key[rows])
+    gates = torch.where(from_ring[..., None], tail[blocks, 1, slots], gate[rows])
+    compress_and_write(kv_cache, keys, gates, ape, loc, None, fp8_dtype, layout, round_scale)
+
+
 def decode_update(kv_cache, tail, tail_slot_mapping, key, slot_score, ape, slot_mapping, positions,
                   pool_size, fp8_dtype, layout, round_scale=True):
     """Reference of ``kpool_decode_update_and_maybe_write_cache_batched``.
@@ -184,7 +200,133 @@ def pooled_keys(kv_cache, locs, layout):
 
 
 __all__ = [
-    "compress_and_write", "decode_update", "seed_tail", "seed_requests", "expand_pools_and_append_tail",
+    "compress_and_write", "compress_token_pools", "decode_update", "seed_tail", "seed_requests", "expand_pools_and_append_tail",
     "expand_pools_to_tokens", "append_tail_to_topk", "build_pooled_page_table",
     "compute_pooled_write_locs", "pooled_keys", "HEAD_DIM",
 ]
+
+
+# =============================================================================================
+# Query-side quantization, pooled fp8 logits and deterministic pool selection (issue 5).
+# Exact formulation (same as ops/logits.py and ops/topk.py):
+#  * an e4m3 code is an integer multiple of a unit (2^-9 fn, 2^-10 fnuz, |int| < 2^18);
+#    a head's dot product q8.k8 is the exact integer sum (< 2^43: exact in int64 and in
+#    fp64 whatever the order), converted once to fp32 (RNE), times unit^2 (exact);
+#    NaN codes make the dot NaN;
+#  * then, in fp32, s = dot * kscale, r = (s < 0 ? 0 : s), acc = acc + w[h] * r for
+#    h = 0 .. H-1 from acc = 0 (no FMA);
+#  * selection orders pools by the key (ordered score, -id): -0.0 == +0.0, NaN lowest.
+# =============================================================================================
+
+def fwht128_quant_fp8(q, fp8_dtype, round_scale=True):
+    """``q [rows, 128]`` bf16 -> ``(codes [rows, 128] fp8_dtype, scale [rows, 1] fp32)``."""
+    codes, scale = numerics.rotate_quant_rows(q, fp8_dtype, round_scale)
+    return codes.view(fp8_dtype), scale[:, None]
+
+
+def fp8_int_table(fp8_dtype, device):
+    """``(ints [256] fp64, nan [256] bool, unit)``: code -> value / unit (NaN codes -> 0)."""
+    unit = 2.0 ** -10 if fp8_dtype == torch.float8_e4m3fnuz else 2.0 ** -9
+    vals = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8_dtype).to(torch.float64)
+    nan = torch.isnan(vals)
+    ints = torch.where(nan, 0.0, vals / unit)
+    return ints.to(device), nan.to(device), unit
+
+
+def pool_scores(q_codes, weights, k_codes, k_scale, fp8_dtype):
+    """``sum_h w[r,h] * relu(q8[r,h].k8[j] * kscale[j])`` (exact formulation above) -> fp32 ``[R, N]``.
+
+    ``q_codes [R, H, 128]`` / ``k_codes [N, 128]`` uint8 codes, ``weights [R, H]``,
+    ``k_scale [N]`` fp32.
+    """
+    ints, nan, unit = fp8_int_table(fp8_dtype, q_codes.device)
+    rows, heads, _ = q_codes.shape
+    qi, qn = ints[q_codes.long()], nan[q_codes.long()].any(-1)  # [R, H, 128] fp64, [R, H]
+    ki, kn = ints[k_codes.long()], nan[k_codes.long()].any(-1)  # [N, 128] fp64, [N]
+    unit2 = torch.tensor(unit * unit, dtype=_F32, device=q_codes.device)
+    kscale = k_scale.to(_F32)[None, :]
+    acc = torch.zeros(rows, k_codes.shape[0], dtype=_F32, device=q_codes.device)
+    for h in range(heads):
+        dot = (qi[:, h] @ ki.T).to(_F32) * unit2  # exact integer sum, one rounding
+        s = torch.where(qn[:, h, None] | kn[None, :], float("nan"), dot) * kscale
+        r = torch.where(s < 0, 0.0, s)
+        acc = acc + weights[:, h, None].to(_F32) * r
+    return acc
+
+
+def paged_pool_logits(q_codes, kv_cache, weights, pool_lens, page_table, layout, fp8_dtype, max_pools):
+    """Decode / verify pooled logits over the paged cache -> fp32 ``[B * next_n, max_pools]``.
+
+    Pool ``j`` of request ``b`` is state ``j % PAGE`` of page ``page_table[b, j // PAGE]``;
+    row ``(b, t)`` sees pools ``j < pool_lens[b, t]`` (clamped to ``[0, max_pages * PAGE]``),
+    -inf elsewhere; a visible pool on a page id outside ``[0, num_pages)`` scores NaN.
+    """
+    batch, next_n = q_codes.shape[:2]
+    num_pages, page = kv_cache.shape[:2]
+    max_pages = page_table.shape[1]
+    dev = q_codes.device
+    out = torch.full((batch * next_n, max_pools), float("-inf"), dtype=_F32, device=dev)
+    if max_pages == 0 or max_pools == 0:
+        return out
+    j = torch.arange(max_pools, device=dev, dtype=torch.int64)
+    n_vis = pool_lens.to(torch.int64).clamp(0, min(max_pools, max_pages * page))
+    for b in range(batch):
+        pg = page_table[b].to(torch.int64)[torch.clamp(j // page, max=max_pages - 1)]
+        ok = (pg >= 0) & (pg < num_pages) & (j < max_pages * page)
+        if num_pages:
+            codes, scale = read_entries(kv_cache, torch.where(ok, pg, 0) * page + j % page, layout)
+            scores = pool_scores(q_codes[b].view(torch.uint8), weights[b], codes, scale, fp8_dtype)
+        else:
+            scores = torch.zeros(next_n, max_pools, dtype=_F32, device=dev)
+        scores = torch.where(ok[None, :], scores, float("nan"))
+        out[b * next_n:(b + 1) * next_n] = torch.where(j[None, :] < n_vis[b][:, None], scores, float("-inf"))
+    return out
+
+
+def ragged_pool_logits(q_codes, k_codes, k_scale, weights, ks, ke, fp8_dtype):
+    """Prefill pooled logits over contiguous pools -> fp32 ``[T, N]``, -inf outside ``[ks, ke)``."""
+    n = k_codes.shape[0]
+    scores = pool_scores(q_codes.view(torch.uint8), weights, k_codes.view(torch.uint8), k_scale, fp8_dtype)
+    j = torch.arange(n, device=k_codes.device, dtype=torch.int64)
+    vis = (j[None, :] >= ks.to(torch.int64)[:, None]) & (j[None, :] < ke.to(torch.int64)[:, None])
+    return torch.where(vis, scores, float("-inf"))
+
+
+def pool_order_keys(logits):
+    """Unique int64 ranking keys of ``logits [R, N]`` fp32: larger key = selected first.
+
+    ``ordered(score) * 2^32 + (2^32 - 1 - id)`` where ``ordered`` maps fp32 to int32
+    monotonically, with -0.0 -> +0.0 and every NaN -> INT32_MIN (below -inf).
+    """
+    bits = logits.contiguous().view(torch.int32)
+    bits = torch.where(logits == 0, 0, bits)
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    ordered = torch.where(torch.isnan(logits), -2**31, ordered).to(torch.int64)
+    ids = torch.arange(logits.shape[1], device=logits.device, dtype=torch.int64)
+    return ordered * 2**32 + (2**32 - 1 - ids)
+
+
+def select_pools(logits, pool_lens, select_k):
+    """Deterministic top-``select_k`` pools per row -> int32 ``[R, select_k]``.
+
+    Row ``r`` sees pools ``j < pool_lens[r]`` (clamped to ``[0, N]``). More than
+    ``select_k`` visible: highest score first, ties to the lower id, NaN last. Otherwise:
+    every visible pool in ascending id order. -1 padding.
+    """
+    rows, n = logits.shape
+    dev = logits.device
+    n_vis = pool_lens.to(torch.int64).clamp(0, n)
+    keys = pool_order_keys(logits)
+    ids = torch.arange(n, device=dev, dtype=torch.int64)
+    keys = torch.where(ids[None, :] < n_vis[:, None], keys, -2**63)
+    k = min(select_k, n)
+    top = torch.full((rows, select_k), -1, dtype=torch.int64, device=dev)
+    if k:
+        top[:, :k] = torch.topk(keys, k, dim=1).indices
+    cols = torch.arange(select_k, device=dev, dtype=torch.int64)
+    out = torch.where((n_vis > select_k)[:, None], top, cols[None, :])
+    return torch.where(cols[None, :] < n_vis.clamp(max=select_k)[:, None], out, -1).to(torch.int32)
+
+
+__all__ += ["fwht128_quant_fp8", "fp8_int_table", "pool_scores", "paged_pool_logits", "ragged_pool_logits",
+            "pool_order_keys", "select_pools"]

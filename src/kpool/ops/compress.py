@@ -149,3 +149,29 @@ def kpool_compress_and_write_cache(kv_cache, slot_k, slot_score, ape, loc, pool_
     if return_compressed:
         return codes.view(fp8_dtype), scale
     return None
+
+
+def compress_token_pools(kv_cache, tail, key, gate, ape, meta, loc, pool_size, *, layout, fp8_dtype,
+                         round_scale=True):
+    """Compress pools read straight from token-major keys, writing each at ``loc``, in place.
+
+    Parameters
+    ----------
+    kv_cache : uint8 ``[num_pages, PAGE, 132]``.
+    tail : bf16 ``[num_blocks, 2, RING, 128]`` ring holding tokens before a chunk's start.
+    key, gate : bf16 ``[T, 128]`` token-major rows (unit inner stride, same row stride).
+    ape : fp32 ``[P, 128]``.
+    meta : int64 ``[n_pools, 4]``: (row of the pool's slot 0 — may precede the chunk, ring block,
+        position of slot 0, number of leading slots read from the ring).
+    loc : int64 ``[n_pools]`` flat cache slots.
+    Arguments are trusted (``KPoolCache`` builds them); only the backend is chosen here.
+    """
+    n = meta.shape[0]
+    if n == 0:
+        return
+    if backend_for(key.device) == "torch":
+        reference.compress_token_pools(kv_cache, tail, key, gate, ape, meta, loc, pool_size, fp8_dtype, layout,
+                                       round_scale)
+        return
+    launch_compress(kv_cache, key, gate, (key.stride(0), key.stride(0)), (gate.stride(0), gate.stride(0)), ape, loc,
+                    n, pool_size, fp8_dtype, layout, round_scale, meta=meta, tail=tail)
