@@ -1,0 +1,175 @@
+"""``kpool demo``: a serving session at GLM-5.3-Flash indexer geometry, checked against the oracle.
+
+Several requests of different lengths go through ``KPoolCache``: chunked prefill (chunk
+boundaries anywhere, also mid-pool), then decode and speculative-verify steps with random
+acceptance (rejected drafts carry different tokens than the ones later accepted). After
+every step each live request's pooled entries are compared byte for byte with the torch
+oracle of its committed tokens, and its ring with the tokens of its incomplete pool.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+
+import torch
+
+from . import numerics
+from ._backend import backend_for
+from .cache import KPoolCache
+from .layout import ENTRY_BYTES, HEAD_DIM
+
+
+class Progress:
+    """Minimal progress bar on stderr (no dependency)."""
+
+    def __init__(self, total: int, label: str):
+        self.total, self.label, self.done, self.t0 = total, label, 0, time.perf_counter()
+
+    def update(self, n: int = 1, note: str = "") -> None:
+        self.done += n
+        frac = self.done / max(self.total, 1)
+        bar = "#" * int(30 * frac) + "-" * (30 - int(30 * frac))
+        sys.stderr.write(f"\r{self.label} [{bar}] {self.done}/{self.total} {time.perf_counter() - self.t0:5.1f}s {note}")
+        sys.stderr.flush()
+        if self.done >= self.total:
+            sys.stderr.write("\n")
+
+
+def _check_request(cache: KPoolCache, rid, keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor,
+                   oracle: dict) -> int:
+    """Compare a request's pooled entries and ring with the oracle; returns the pools checked.
+
+    ``oracle[rid]`` caches the oracle entries of committed pools (committed pools never change).
+    """
+    p, n = cache.pool_size, keys.shape[0]
+    n_pools = n // p
+    have_codes, have_scales = oracle.get(rid, (torch.empty(0, HEAD_DIM, dtype=torch.uint8), torch.empty(0)))
+    done = have_codes.shape[0]
+    if n_pools > done:
+        new = slice(done * p, n_pools * p)
+        c, s = numerics.compress_pools(keys[new].view(-1, p, HEAD_DIM), gates[new].view(-1, p, HEAD_DIM), ape,
+                                       cache.fp8_dtype, cache.round_scale)
+        have_codes, have_scales = torch.cat((have_codes, c)), torch.cat((have_scales, s))
+        oracle[rid] = (have_codes, have_scales)
+    codes, scales = cache.pooled_keys(rid)
+    want_codes, want_scales = have_codes[:n_pools], have_scales[:n_pools]
+    if not (torch.equal(codes.cpu(), want_codes) and torch.equal(scales.cpu(), want_scales)):
+        bad = (codes.cpu() != want_codes).any(1).nonzero().flatten().tolist()
+        raise AssertionError(f"request {rid}: pooled entries differ from the oracle at pools {bad[:8]}")
+    ring = cache.tail[cache._get(rid).block].cpu()
+    for q in range(n_pools * p, n):
+        if not (torch.equal(ring[0, q % cache.ring], keys[q]) and torch.equal(ring[1, q % cache.ring], gates[q])):
+            raise AssertionError(f"request {rid}: ring slot of position {q} does not hold its token")
+    return n_pools
+
+
+def run_demo(*, requests: int = 8, max_prompt: int = 3000, decode_steps: int = 48, max_spec_tokens: int = 3,
+             pool_size: int = 4, page_size: int = 64, seed: int = 0, device=None, quiet: bool = False) -> dict:
+    """Run the session and return its summary (raises AssertionError on any mismatch)."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    ape = (torch.randn(pool_size, HEAD_DIM, generator=gen) * 0.5)
+    lengths = [rng.randint(1, max_prompt) for _ in range(requests)]
+    total_tokens = sum(lengths) + requests * decode_steps * (max_spec_tokens + 1)
+    num_pages = requests * (-(-total_tokens // (pool_size * page_size * requests)) + 2)
+    cache = KPoolCache(num_pages, page_size=page_size, pool_size=pool_size, max_requests=requests,
+                       max_spec_tokens=max_spec_tokens, ape=ape, device=device)
+    streams = {r: (torch.empty(0, HEAD_DIM, dtype=torch.bfloat16), torch.empty(0, HEAD_DIM, dtype=torch.bfloat16))
+               for r in range(requests)}
+
+    def tokens(n):
+        k = torch.randn(n, HEAD_DIM, generator=gen).to(torch.bfloat16)
+        g = (torch.randn(n, HEAD_DIM, generator=gen) * 2).to(torch.bfloat16)
+        return k, g
+
+    stats = {"prefill_steps": 0, "decode_steps": 0, "tokens": 0, "pools_checked": 0, "rejected_drafts": 0,
+             "prefill_s": 0.0, "decode_s": 0.0, "checks": 0}
+    todo = dict(enumerate(lengths))
+    prefill_rounds = []
+    while any(todo.values()):  # chunked prefill: each round takes a random chunk of every unfinished prompt
+        round_ = []
+        for r, left in todo.items():
+            if left:
+                n = min(left, rng.choice([rng.randint(1, 7), rng.randint(64, 1200)]))
+                round_.append((r, n))
+                todo[r] -= n
+        prefill_rounds.append(round_)
+    bar = None if quiet else Progress(len(prefill_rounds) + decode_steps, "kpool demo")
+
+    oracle: dict = {}
+
+    def check_all():
+        for r, (k, g) in streams.items():
+            stats["pools_checked"] += _check_request(cache, r, k, g, ape, oracle)
+        stats["checks"] += 1
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    for round_ in prefill_rounds:
+        chunks = [tokens(n) for _, n in round_]
+        ids = [r for r, _ in round_]
+        sync()
+        t0 = time.perf_counter()
+        cache.prefill(ids, [k.to(device) for k, _ in chunks], [g.to(device) for _, g in chunks])
+        sync()
+        stats["prefill_s"] += time.perf_counter() - t0
+        for r, (k, g) in zip(ids, chunks):
+            streams[r] = (torch.cat((streams[r][0], k)), torch.cat((streams[r][1], g)))
+            stats["tokens"] += k.shape[0]
+        stats["prefill_steps"] += 1
+        check_all()
+        if bar:
+            bar.update(note="prefill")
+    for _ in range(decode_steps):
+        ids = list(range(requests))
+        counts = [rng.randint(1, max_spec_tokens + 1) for _ in ids]
+        drafts = [tokens(n) for n in counts]
+        sync()
+        t0 = time.perf_counter()
+        cache.decode(ids, [k.to(device) for k, _ in drafts], [g.to(device) for _, g in drafts])
+        accepted = [rng.randint(1, n) for n in counts]
+        cache.accept(ids, accepted)
+        sync()
+        stats["decode_s"] += time.perf_counter() - t0
+        for r, (k, g), a in zip(ids, drafts, accepted):
+            streams[r] = (torch.cat((streams[r][0], k[:a])), torch.cat((streams[r][1], g[:a])))
+            stats["tokens"] += a
+            stats["rejected_drafts"] += k.shape[0] - a
+        stats["decode_steps"] += 1
+        check_all()
+        if bar:
+            bar.update(note="decode/verify")
+    committed = sum(cache.length(r) for r in range(requests))
+    pools = sum(cache.length(r) // pool_size for r in range(requests))
+    stats.update(
+        device=str(device), backend=backend_for(device), requests=requests, committed_tokens=committed,
+        pools=pools, pool_size=pool_size, page_size=page_size, ring=cache.ring, layout=cache.layout,
+        fp8=str(cache.fp8_dtype).replace("torch.", ""),
+        pooled_cache_bytes=pools * ENTRY_BYTES, per_token_cache_bytes=committed * ENTRY_BYTES,
+        ring_bytes=cache.tail.numel() * 2,
+    )
+    return stats
+
+
+def format_summary(s: dict) -> str:
+    ms = lambda sec, n: f"{1e3 * sec / max(n, 1):.2f} ms"  # noqa: E731
+    lines = [
+        "kpool demo — GLM-5.3-Flash indexer geometry "
+        f"(P={s['pool_size']}, head dim 128, page {s['page_size']}, ring {s['ring']}, {s['layout']}, {s['fp8']})",
+        f"  device / backend       : {s['device']} / {s['backend']}",
+        f"  requests               : {s['requests']}",
+        f"  committed tokens       : {s['committed_tokens']} ({s['rejected_drafts']} rejected drafts rolled back)",
+        f"  pools written          : {s['pools']}",
+        f"  indexer cache          : {s['pooled_cache_bytes'] / 2**20:.2f} MiB pooled vs "
+        f"{s['per_token_cache_bytes'] / 2**20:.2f} MiB per-token ({s['per_token_cache_bytes'] / max(s['pooled_cache_bytes'], 1):.1f}x smaller)",
+        f"  prefill steps          : {s['prefill_steps']} ({ms(s['prefill_s'], s['prefill_steps'])} per step)",
+        f"  decode/verify steps    : {s['decode_steps']} ({ms(s['decode_s'], s['decode_steps'])} per step, incl. planning)",
+        f"  checks passed          : {s['checks']} whole-cache checks, {s['pools_checked']} pool entries "
+        "byte-identical to the oracle, rings hold every incomplete pool's tokens",
+    ]
+    return "\n".join(lines)
