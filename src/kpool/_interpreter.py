@@ -1,0 +1,261 @@
+"""Exact float downcasts for Triton's CPU interpreter (``TRITON_INTERPRET=1``).
+
+The interpreter converts between float formats with a private numpy routine,
+``triton.runtime.interpreter._convert_float``, that is wrong for downcasts: fp32 -> bf16
+truncates (``cast_impl`` passes no rounding mode), fp32 -> fp8 loses the carry of a
+round-up that crosses a power of two (127.3 -> 64), does not saturate, and fp8 -> fp32
+turns NaN codes into numbers. Native GPU conversions round to nearest even (and
+saturate to the largest finite value for fp8, ``satfinite``).
+
+``ensure_exact_downcasts()`` replaces that routine with one built on torch's conversions
+for fp64/fp32/fp16/bf16 <-> bf16/fp16/fp8 (e4m3fn = Triton ``fp8e4nv``, e4m3fnuz =
+``fp8e4b8``, e5m2 = ``fp8e5``, e5m2fnuz = ``fp8e5b16``): round to nearest even; fp8
+targets saturate to ``±max`` first (NaN stays NaN). Round-toward-zero requests and
+formats torch lacks (``fp8e4b15``) go to the original routine. A self-test runs right
+after patching (the converter on its own, then a tiny kernel through the interpreter's
+real cast paths) and raises ``RuntimeError`` if the fix did not take.
+
+kpool's kernels never rely on native downcasts (bf16 and fp8 rounding are integer ops in
+``ops/_jit.py``); this keeps any native conversion in the interpreter honest as well.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import torch
+
+__all__ = ["ensure_exact_downcasts", "fix_applied", "self_test", "PATCH_POINT"]
+
+PATCH_POINT = "triton.runtime.interpreter._convert_float"
+_EXPECTED_PARAMS = ["input", "input_dtype", "output_dtype", "rounding_mode"]
+# InterpreterBuilder methods whose float conversions must go through the patched global.
+_CALLERS = ("cast_impl", "create_fp_to_fp")
+
+_TORCH_DTYPES = {
+    "fp64": torch.float64,
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp8e4nv": torch.float8_e4m3fn,
+    "fp8e4b8": torch.float8_e4m3fnuz,
+    "fp8e5": torch.float8_e5m2,
+    "fp8e5b16": torch.float8_e5m2fnuz,
+}
+_INT_OF_BITS = {8: (np.uint8, torch.uint8), 16: (np.int16, torch.int16), 32: (np.int32, torch.int32),
+                64: (np.int64, torch.int64)}
+_FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz)
+
+
+def _torch_dtype(tt_dtype):
+    return _TORCH_DTYPES.get(getattr(tt_dtype, "name", None))
+
+
+def _make_converter(original, rtne):
+    """A drop-in for ``_convert_float`` that converts through torch (RNE, fp8 saturating)."""
+
+    def convert_float(input, input_dtype, output_dtype, rounding_mode):
+        src, dst = _torch_dtype(input_dtype), _torch_dtype(output_dtype)
+        if src is None or dst is None or rounding_mode not in (None, rtne):
+            return original(input, input_dtype, output_dtype, rounding_mode)
+        arr = np.array(input, copy=True, order="C")
+        in_np, _ = _INT_OF_BITS[input_dtype.primitive_bitwidth]
+        t = torch.from_numpy(arr.view(in_np)).view(src)
+        if dst in _FP8:
+            m = float(torch.finfo(dst).max)
+            t = torch.clamp(t, -m, m)  # satfinite: ±inf and overflow -> ±max, NaN kept
+        out_np, out_torch = _INT_OF_BITS[output_dtype.primitive_bitwidth]
+        out = t.to(dst).view(out_torch).numpy()
+        # the original returns unsigned codes of the output width; callers .view() them
+        return out.view(getattr(np, f"uint{output_dtype.primitive_bitwidth}")).reshape(np.shape(input))
+
+    convert_float._kpool_exact = True
+    convert_float._kpool_original = original
+    return convert_float
+
+
+def _interp_module():
+    try:
+        from triton.runtime import interpreter
+    except Exception as exc:  # pragma: no cover - depends on the installed triton
+        raise RuntimeError(f"kpool: cannot import triton.runtime.interpreter to fix its float downcasts: {exc!r}")
+    return interpreter
+
+
+def _check_patch_point(interpreter) -> None:
+    """Raise ``RuntimeError`` saying exactly what changed if the patch point is gone."""
+    where = getattr(interpreter, "__file__", "triton.runtime.interpreter")
+    fn = getattr(interpreter, "_convert_float", None)
+    if fn is None or not callable(fn):
+        raise RuntimeError(
+            f"kpool: Triton's interpreter changed: {PATCH_POINT} no longer exists (in {where}); kpool cannot "
+            "correct the interpreter's fp32->bf16/fp8 downcasts. Update kpool/_interpreter.py for this triton "
+            f"({getattr(__import__('triton'), '__version__', '?')}).")
+    original = getattr(fn, "_kpool_original", fn)
+    params = list(inspect.signature(original).parameters)
+    if params != _EXPECTED_PARAMS:
+        raise RuntimeError(
+            f"kpool: Triton's interpreter changed: {PATCH_POINT} now takes {params}, expected {_EXPECTED_PARAMS} "
+            f"(in {where}). Update kpool/_interpreter.py.")
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    if builder is None:
+        raise RuntimeError(f"kpool: Triton's interpreter changed: InterpreterBuilder is gone from {where}.")
+    for name in _CALLERS:
+        meth = getattr(builder, name, None)
+        code = getattr(meth, "__code__", None)
+        if code is None or "_convert_float" not in code.co_names:
+            raise RuntimeError(
+                f"kpool: Triton's interpreter changed: InterpreterBuilder.{name} no longer calls _convert_float "
+                f"(in {where}), so patching {PATCH_POINT} would not fix its float conversions. "
+                "Update kpool/_interpreter.py.")
+    rm = getattr(getattr(interpreter, "_ir", None), "ROUNDING_MODE", None)
+    if rm is None or not hasattr(rm, "RTNE"):
+        raise RuntimeError(f"kpool: Triton's interpreter changed: _ir.ROUNDING_MODE.RTNE is missing (in {where}).")
+
+
+def fix_applied() -> bool:
+    """True when the interpreter's float converter is kpool's exact one."""
+    try:
+        from triton.runtime import interpreter
+    except Exception:
+        return False
+    return bool(getattr(getattr(interpreter, "_convert_float", None), "_kpool_exact", False))
+
+
+# --- self-test -----------------------------------------------------------------------------
+
+def _probe_values() -> torch.Tensor:
+    """fp32 values where a truncating / carry-losing / non-saturating converter goes wrong."""
+    bits = torch.tensor([0x3F80C000,  # 1 + 2^-8 + 2^-9: bf16 rounds up
+                         0x3F808000,  # bf16 tie -> even (down)
+                         0x3F818000,  # bf16 tie -> even (up)
+                         0x3FFFFFFF,  # bf16 round-up carries into the exponent -> 2.0
+                         0x7F7FFFFF,  # fp32 max: bf16 overflows to inf, fp8 saturates
+                         ], dtype=torch.int64).to(torch.int32).view(torch.float32)
+    vals = torch.tensor([127.3, -127.3, 250.0, 464.0, 1000.0, -1000.0, 7e4, float("inf"), float("-inf"),
+                         0.0, -0.0, 0.0146, -0.0146, 2.0 ** -10, 3.0 * 2.0 ** -10, 1.0 / 3.0, 15.5, 0.99],
+                        dtype=torch.float32)
+    return torch.cat((bits, vals, torch.tensor([float("nan")])))
+
+
+def _expected(x: torch.Tensor, dst: torch.dtype) -> torch.Tensor:
+    """Codes of ``x`` (fp32) in ``dst``, from torch alone: RNE, fp8 saturating."""
+    if dst in _FP8:
+        m = float(torch.finfo(dst).max)
+        x = torch.clamp(x, -m, m)
+    return x.to(dst)
+
+
+def _same_codes(got: torch.Tensor, want: torch.Tensor) -> bool:
+    # NaN payloads may differ between conversions; every NaN is accepted for a NaN.
+    both_nan = torch.isnan(got.float()) & torch.isnan(want.float())
+    ib = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[got.element_size()]
+    return bool(((got.view(ib) == want.view(ib)) | both_nan).all())
+
+
+def _check_converter(convert, interpreter) -> None:
+    tl = interpreter.tl
+    rtne = interpreter._ir.ROUNDING_MODE.RTNE
+    x = _probe_values()
+    xn = x.numpy()
+    targets = [("bf16", tl.bfloat16, None), ("bf16", tl.bfloat16, rtne), ("fp16", tl.float16, rtne),
+               ("fp8e4nv", tl.float8e4nv, rtne), ("fp8e4b8", tl.float8e4b8, rtne), ("fp8e5", tl.float8e5, rtne)]
+    for name, tt, mode in targets:
+        dst = _TORCH_DTYPES[name]
+        got_np = np.asarray(convert(xn, tl.float32, tt, mode))
+        got = torch.from_numpy(got_np.view(_INT_OF_BITS[tt.primitive_bitwidth][0]).copy()).view(dst)
+        want = _expected(x, dst)
+        if not _same_codes(got, want):
+            bad = [(float(a), float(g), float(w)) for a, g, w in zip(x, got.float(), want.float())
+                   if not (g == w or (g != g and w != w))][:4]
+            raise RuntimeError(f"kpool: the interpreter's fp32->{name} conversion is not exact after patching "
+                               f"{PATCH_POINT} (x, got, want): {bad}")
+        # and back up: fp8/bf16 codes -> fp32 must be exact (NaN codes stay NaN)
+        back = np.asarray(convert(got_np, tt, tl.float32, None)).view(np.float32)
+        if not _same_codes(torch.from_numpy(back.copy()), want.float()):
+            raise RuntimeError(f"kpool: the interpreter's {name}->fp32 conversion is not exact after patching "
+                               f"{PATCH_POINT}")
+
+
+_selftest_kernel = None
+
+
+def _get_selftest_kernel():
+    global _selftest_kernel
+    if _selftest_kernel is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def _downcast_selftest_kernel(x_ptr, bf16_ptr, e4nv_ptr, e4b8_ptr, e5_ptr, N: tl.constexpr,
+                                      NATIVE_E4B8: tl.constexpr):
+            # Stores x [N] fp32 through the native cast paths as bf16 / fp8 codes.
+            i = tl.arange(0, N)
+            x = tl.load(x_ptr + i)
+            tl.store(bf16_ptr + i, x.to(tl.bfloat16))
+            tl.store(e4nv_ptr + i, x.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
+            tl.store(e5_ptr + i, x.to(tl.float8e5).to(tl.uint8, bitcast=True))
+            if NATIVE_E4B8:
+                tl.store(e4b8_ptr + i, x.to(tl.float8e4b8).to(tl.uint8, bitcast=True))
+
+        _selftest_kernel = _downcast_selftest_kernel
+    return _selftest_kernel
+
+
+def self_test(device: str | torch.device = "cpu") -> None:
+    """Check that kernels' fp32 -> bf16 / fp8 casts give torch's codes; ``RuntimeError`` if not.
+
+    On ``cpu`` this runs under the interpreter (needs ``TRITON_INTERPRET=1``) and also
+    checks the converter function directly; on a GPU it checks the native conversions
+    (e4m3fnuz only where the target has it, i.e. not on NVIDIA).
+    """
+    device = torch.device(device)
+    if device.type == "cpu":
+        interpreter = _interp_module()
+        _check_converter(interpreter._convert_float, interpreter)
+    x = _probe_values()
+    n = 1 << (x.numel() - 1).bit_length()
+    x = torch.cat((x, torch.full((n - x.numel(),), 127.3))).to(device)
+    outs = {"bf16": torch.empty(n, dtype=torch.bfloat16, device=device)}
+    for name in ("fp8e4nv", "fp8e4b8", "fp8e5"):
+        outs[name] = torch.zeros(n, dtype=torch.uint8, device=device)
+    native_e4b8 = device.type == "cpu" or torch.version.hip is not None
+    _get_selftest_kernel()[(1,)](x, outs["bf16"], outs["fp8e4nv"], outs["fp8e4b8"], outs["fp8e5"], N=n,
+                                 NATIVE_E4B8=native_e4b8)
+    names = ["bf16", "fp8e4nv", "fp8e5"] + (["fp8e4b8"] if native_e4b8 else [])
+    for name in names:
+        dst = _TORCH_DTYPES[name]
+        got = outs[name].cpu()
+        got = got if name == "bf16" else got.view(dst)
+        want = _expected(x.cpu(), dst)
+        if not _same_codes(got, want):
+            i = int(((got.float() != want.float()) & ~(torch.isnan(got.float()) & torch.isnan(want.float())))
+                    .nonzero()[0])
+            raise RuntimeError(
+                f"kpool: a kernel's fp32->{name} cast on {device.type} gives {float(got[i].float())} for "
+                f"{float(x[i])}, torch gives {float(want[i].float())}"
+                + (f"; the {PATCH_POINT} fix did not take" if device.type == "cpu" else ""))
+
+
+def ensure_exact_downcasts() -> bool:
+    """Install the exact converter in Triton's interpreter and self-test it.
+
+    No-op (returns False) unless ``TRITON_INTERPRET`` is set. Idempotent. Raises
+    ``RuntimeError`` if the interpreter's internals changed or the fix did not take.
+    """
+    from ._backend import interpreting
+
+    if not interpreting():
+        return False
+    interpreter = _interp_module()
+    _check_patch_point(interpreter)
+    if not fix_applied():
+        rtne = interpreter._ir.ROUNDING_MODE.RTNE
+        interpreter._convert_float = _make_converter(interpreter._convert_float, rtne)
+        try:
+            self_test("cpu")
+        except Exception:
+            interpreter._convert_float = interpreter._convert_float._kpool_original
+            raise
+    return True

@@ -1,0 +1,82 @@
+"""The interpreter float-downcast fix (kpool._interpreter) must apply, and its self-test must bite.
+
+On a CPU machine (interpreter) these check the patched converter; on a GPU the same
+self-test checks Triton's native fp32 -> bf16 / fp8 casts against torch.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from kpool import _interpreter
+from kpool._backend import interpreting
+
+INTERPRETING = interpreting()
+
+
+def test_self_test_passes(device):
+    if INTERPRETING:
+        assert _interpreter.fix_applied()
+        assert _interpreter.ensure_exact_downcasts() is True  # idempotent
+    _interpreter.self_test(device)
+
+
+def test_kernel_store_127_3_as_fp8(device):
+    """127.3 -> fp8 rounds up across a power of two: 128 (the interpreter's own routine gives 64)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _cast_kernel(x_ptr, o_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(o_ptr + i, tl.load(x_ptr + i).to(tl.float8e4nv).to(tl.uint8, bitcast=True))
+
+    x = torch.tensor([127.3, -127.3, 1e4, -1e4], device=device)
+    out = torch.zeros(4, dtype=torch.uint8, device=device)
+    _cast_kernel[(1,)](x, out, N=4)
+    assert out.view(torch.float8_e4m3fn).float().tolist() == [128.0, -128.0, 448.0, -448.0]
+
+
+# The checks below concern the interpreter's converter; they exist only where it runs.
+if INTERPRETING:
+
+    def test_self_test_detects_the_original_converter(monkeypatch):
+        """The self-test fails on the interpreter's own converter (so it would notice a lost fix)."""
+        from triton.runtime import interpreter
+
+        monkeypatch.setattr(interpreter, "_convert_float", interpreter._convert_float._kpool_original)
+        assert not _interpreter.fix_applied()
+        with pytest.raises(RuntimeError, match="not exact"):
+            _interpreter.self_test("cpu")
+
+    def test_missing_patch_point_is_reported(monkeypatch):
+        from triton.runtime import interpreter
+
+        monkeypatch.delattr(interpreter, "_convert_float")
+        with pytest.raises(RuntimeError, match="_convert_float no longer exists"):
+            _interpreter.ensure_exact_downcasts()
+
+    def test_converter_matches_torch_on_all_bf16_patterns():
+        """Every bf16 value (as fp32) -> fp8 e4m3fn / e4m3fnuz / e5m2, and fp32 -> bf16 round trips."""
+        from triton.runtime import interpreter
+
+        tl = interpreter.tl
+        rtne = interpreter._ir.ROUNDING_MODE.RTNE
+        x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+        conv = interpreter._convert_float
+        for tt, dt in ((tl.float8e4nv, torch.float8_e4m3fn), (tl.float8e4b8, torch.float8_e4m3fnuz),
+                       (tl.float8e5, torch.float8_e5m2)):
+            got = torch.from_numpy(np.asarray(conv(x.numpy(), tl.float32, tt, rtne)).copy())
+            m = torch.finfo(dt).max
+            want = torch.clamp(x, -m, m).to(dt).view(torch.uint8)
+            nan = torch.isnan(x)
+            assert torch.equal(got[~nan], want[~nan]), tt
+            assert torch.isnan(got.view(dt)[nan].float()).all()
+        # fp32 -> bf16 for random fp32 bit patterns (RNE, not truncation)
+        g = torch.Generator().manual_seed(0)
+        bits = torch.randint(-2**31, 2**31 - 1, (1 << 16,), generator=g, dtype=torch.int64).to(torch.int32)
+        xf = bits.view(torch.float32)
+        got = torch.from_numpy(np.asarray(conv(xf.numpy(), tl.float32, tl.bfloat16, None)).view(np.int16).copy())
+        want = xf.to(torch.bfloat16).view(torch.int16)
+        nan = torch.isnan(xf)
+        assert torch.equal(got[~nan], want[~nan])

@@ -1,0 +1,239 @@
+"""The shared Triton helpers (kpool.ops._jit) against kpool.numerics and against torch.
+
+Each helper runs in a tiny test kernel (the CPU interpreter here, natively on a GPU) over
+large input sets: every bf16 bit pattern, 2^20 random fp32 bit patterns, and values at
+and next to every rounding boundary. Comparisons are bit for bit.
+"""
+
+import math
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from kpool import numerics
+from kpool.layout import AMAX_FLOOR, HADAMARD_SCALE, fp8_max
+from kpool.ops import _jit
+
+from _util import assert_bytes_equal
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e4m3fnuz]
+F32 = torch.float32
+
+
+def _block(device):
+    # one big program per 64K elements in the interpreter (numpy-vectorised); small blocks on a GPU
+    return 65536 if torch.device(device).type == "cpu" else 1024
+
+
+def _bits_to_f32(bits: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2^32) -> fp32 with those bit patterns."""
+    return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(F32)
+
+
+def _f32_bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int32)
+
+
+# --- test kernels ---------------------------------------------------------------------------
+
+@triton.jit
+def _fp8_encode_kernel(x_ptr, o_ptr, n, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    m = i < n
+    x = tl.load(x_ptr + i, mask=m, other=0.0)
+    tl.store(o_ptr + i, _jit.fp8_encode(x, FP8_MAX, FNUZ), mask=m)
+
+
+@triton.jit
+def _bf16_round_kernel(x_ptr, o_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    tl.store(o_ptr + i, _jit.bf16_round(tl.load(x_ptr + i, mask=m, other=0.0)), mask=m)
+
+
+@triton.jit
+def _exp_kernel(x_ptr, o_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    tl.store(o_ptr + i, _jit.exp_exact(tl.load(x_ptr + i, mask=m, other=0.0)), mask=m)
+
+
+@triton.jit
+def _quant_scale_kernel(x_ptr, o_ptr, n, FP8_MAX: tl.constexpr, ROUND_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    amax = tl.load(x_ptr + i, mask=m, other=0.0)
+    tl.store(o_ptr + i, _jit.quant_scale(amax, 1.0 / FP8_MAX, ROUND_SCALE), mask=m)
+
+
+@triton.jit
+def _rotate_kernel(x_ptr, o_ptr, n_rows, BN: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)  # [BN]
+    d = tl.arange(0, 128)  # [128]
+    m = (r < n_rows)[:, None]
+    x = tl.load(x_ptr + r[:, None] * 128 + d[None, :], mask=m, other=0.0)  # [BN, 128]
+    tl.store(o_ptr + r[:, None] * 128 + d[None, :], _jit.rotate(x, BN), mask=m)
+
+
+def _run_elementwise(kernel, x, out_dtype, **meta):
+    block = _block(x.device)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    kernel[(triton.cdiv(x.numel(), block),)](x, out, x.numel(), BLOCK=block, enable_fp_fusion=False, **meta)
+    return out
+
+
+# --- inputs -------------------------------------------------------------------------------
+
+def _all_bf16_as_f32() -> torch.Tensor:
+    """Every bf16 bit pattern (NaNs, ±inf, ±0, subnormals included) as fp32."""
+    return torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).to(F32)
+
+
+def _random_f32(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return _bits_to_f32(torch.randint(0, 2**32, (n,), generator=g, dtype=torch.int64))
+
+
+def _neighbours(x: torch.Tensor, k: int = 2) -> torch.Tensor:
+    """``x`` and its ``k`` nearest fp32 neighbours on each side."""
+    out = [x]
+    up = down = x
+    for _ in range(k):
+        up = torch.nextafter(up, torch.full_like(up, math.inf))
+        down = torch.nextafter(down, torch.full_like(down, -math.inf))
+        out += [up, down]
+    return torch.cat(out)
+
+
+def _fp8_boundaries(fp8_dtype) -> torch.Tensor:
+    """Every fp8 value, every midpoint between neighbours (ties), their fp32 neighbours,
+    both signs, and values around and far beyond ±FP8_MAX."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8_dtype).to(torch.float64)
+    vals = torch.unique(codes[torch.isfinite(codes) & (codes >= 0)])
+    mids = (vals[1:] + vals[:-1]) / 2
+    m = fp8_max(fp8_dtype)
+    top = vals[-1] - vals[-2]  # step at the top binade
+    edge = torch.tensor([m, m + top / 2, m + top, 2 * m, 1e30, math.inf, 3.4028234663852886e38], dtype=torch.float64)
+    x = torch.cat((vals, mids, edge)).to(F32)
+    x = _neighbours(x, 2)
+    return torch.cat((x, -x))
+
+
+# --- (a) fp8 encoding ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("fp8_dtype", FP8, ids=["e4m3fn", "e4m3fnuz"])
+def test_fp8_encode_matches_torch(fp8_dtype, device):
+    x = torch.cat((_all_bf16_as_f32(), _random_f32(1 << 20, seed=1), _fp8_boundaries(fp8_dtype),
+                   torch.tensor([math.nan, -math.nan, 0.0, -0.0])))
+    want = numerics.fp8_encode(x, fp8_dtype)
+    got = _run_elementwise(_fp8_encode_kernel, x.to(device), torch.uint8, FP8_MAX=fp8_max(fp8_dtype),
+                           FNUZ=fp8_dtype == torch.float8_e4m3fnuz)
+    assert_bytes_equal(got, want, f"fp8 {fp8_dtype} codes of {x.numel()} fp32 values")
+    # numerics.fp8_encode itself: saturating RNE by the definition (clamp, then torch's conversion)
+    m = fp8_max(fp8_dtype)
+    assert torch.equal(numerics.fp8_encode(torch.tensor([m * 4, -math.inf]), fp8_dtype).view(fp8_dtype).float(),
+                       torch.tensor([m, -m]))
+
+
+# --- (b) bf16 rounding --------------------------------------------------------------------
+
+def _bf16_boundaries() -> torch.Tensor:
+    """For every bf16 pattern: its exact value, the tie above it, and the fp32 values next to the tie."""
+    hi = torch.arange(65536, dtype=torch.int64) << 16
+    lows = torch.tensor([0x0000, 0x0001, 0x7FFF, 0x8000, 0x8001, 0xFFFF], dtype=torch.int64)
+    return _bits_to_f32((hi[:, None] | lows[None, :]).reshape(-1))
+
+
+def test_bf16_round_matches_torch(device):
+    x = torch.cat((_bf16_boundaries(), _random_f32(1 << 20, seed=2)))
+    got = _run_elementwise(_bf16_round_kernel, x.to(device), F32).cpu()
+    want = numerics.bf16_round(x)
+    assert_bytes_equal(got, want, "bf16_round: _jit vs numerics")
+    ref = x.to(torch.bfloat16).to(F32)  # torch's RNE conversion
+    nan = torch.isnan(x)
+    assert_bytes_equal(want[~nan], ref[~nan], "numerics.bf16_round vs torch .to(bfloat16)")
+    assert torch.isnan(want[nan]).all() and torch.isnan(got[nan]).all()
+    # the boundary set really contains ties that round both ways
+    assert (_f32_bits(want) != _f32_bits(x) & -65536).any() and (want == x).any()
+
+
+# --- (c) exp ------------------------------------------------------------------------------
+
+def test_exp_exact(device):
+    g = torch.Generator().manual_seed(3)
+    k = torch.arange(0, 100, dtype=torch.float64)
+    # where n = floor(t + 0.5) steps: t = -(k + 0.5), i.e. x = -(k + 0.5) * ln2
+    steps = (-(k + 0.5) * math.log(2.0)).to(F32)
+    x = torch.cat((torch.linspace(-69.0, 0.0, 1 << 18, dtype=F32), -69.0 * torch.rand(1 << 16, generator=g),
+                   _neighbours(steps[steps >= -69.0], 2), _neighbours(torch.tensor([-69.0, -1.0, -0.5]), 2),
+                   torch.tensor([0.0, -0.0, -1e-45, -1e-30, -1e-7])))
+    x = x[(x >= -69.0) & (x <= 0.0)]
+    got = _run_elementwise(_exp_kernel, x.to(device), F32).cpu()
+    want = numerics.exp_exact(x)
+    assert_bytes_equal(got, want, "exp_exact: _jit vs numerics")
+    exact = torch.exp(x.to(torch.float64))
+    rel = ((want.to(torch.float64) - exact).abs() / exact).max().item()
+    assert rel <= 4e-6, f"exp_exact relative error {rel:.3g}"
+    assert torch.equal(want[x == 0], torch.ones_like(want[x == 0]))
+
+
+# --- (d) quant scale ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("fp8_dtype", FP8, ids=["e4m3fn", "e4m3fnuz"])
+@pytest.mark.parametrize("round_scale", [True, False])
+def test_quant_scale(fp8_dtype, round_scale, device):
+    m = fp8_max(fp8_dtype)
+    k = torch.arange(-30, 40, dtype=torch.float64)
+    # amax around every power of two times FP8_MAX (where the ue8m0 scale changes), around the floor
+    amax = torch.cat((_neighbours((2.0 ** k * m).to(F32), 8), _neighbours((2.0 ** k).to(F32), 2),
+                      _neighbours(torch.tensor([AMAX_FLOOR]), 4), torch.tensor([0.0, 1e-30, 1e-5, 3.0e38]),
+                      torch.rand(4096, generator=torch.Generator().manual_seed(4)) * 1000))
+    got = _run_elementwise(_quant_scale_kernel, amax.to(device), F32, FP8_MAX=m, ROUND_SCALE=round_scale).cpu()
+    want = numerics.quant_scale(amax, fp8_dtype, round_scale)
+    assert_bytes_equal(got, want, "quant_scale: _jit vs numerics")
+    v = torch.clamp_min(amax, AMAX_FLOOR) * torch.tensor(1.0 / m, dtype=F32)  # fp32 product
+    if round_scale:
+        # independent: 2^ceil(log2(v)) in float64 (log2 of a power of two is exact)
+        ref = torch.exp2(torch.ceil(torch.log2(v.to(torch.float64))))
+        assert torch.equal(want.to(torch.float64), ref)
+        # the inputs hit exact powers of two (scale == v) and values just above them (scale == 2v)
+        exact_pow2 = (_f32_bits(v) & 0x7FFFFF) == 0
+        assert exact_pow2.any() and ((_f32_bits(v) & 0x7FFFFF) == 1).any()
+        assert torch.equal(want[exact_pow2], v[exact_pow2])
+    else:
+        assert torch.equal(want, v)
+
+
+# --- (e) rotation -------------------------------------------------------------------------
+
+def _hadamard128() -> torch.Tensor:
+    """Sylvester H128 / sqrt(128) in float64: H[i, j] = (-1)^popcount(i & j)."""
+    i = torch.arange(128)
+    a = i[:, None] & i[None, :]
+    pop = torch.zeros_like(a)
+    for b in range(7):
+        pop += (a >> b) & 1
+    return (1.0 - 2.0 * (pop % 2)).to(torch.float64) / math.sqrt(128.0)
+
+
+def test_rotate(device):
+    g = torch.Generator().manual_seed(5)
+    scales = torch.logspace(-4, 4, 9, dtype=F32)
+    x = torch.cat((torch.randn(9 * 32, 128, generator=g) * scales.repeat_interleave(32)[:, None],
+                   torch.randn(64, 128, generator=g).to(torch.bfloat16).to(F32),  # bf16-exact inputs, as pooled
+                   torch.eye(128, dtype=F32)[:40] * 3.0,  # one-hot rows: a scaled Hadamard row
+                   torch.zeros(1, 128)))
+    bn = 64
+    out = torch.empty_like(x, device=device)
+    _rotate_kernel[(triton.cdiv(x.shape[0], bn),)](x.to(device), out, x.shape[0], BN=bn, enable_fp_fusion=False)
+    want = numerics.rotate(x)
+    assert_bytes_equal(out.cpu(), want, "rotate: _jit vs numerics")
+    # against the float64 matrix Hadamard: error of one bf16 rounding plus fp32 butterflies
+    ref = x.to(torch.float64) @ _hadamard128()
+    tol = 2.0 ** -8 * ref.abs() + 1e-6 * x.to(torch.float64).abs().sum(dim=1, keepdim=True) * HADAMARD_SCALE
+    err = (want.to(torch.float64) - ref).abs()
+    assert (err <= tol).all(), f"rotate vs float64 Hadamard: worst excess {(err - tol).max().item():.3g}"
+    # bf16-exact outputs
+    assert torch.equal(want, want.to(torch.bfloat16).to(F32))
