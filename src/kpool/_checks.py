@@ -31,10 +31,20 @@ def check_tensor(name: str, t, *, dtype=None, ndim: int | None = None, shape=Non
         if t.ndim != len(shape) or any(w is not None and w != s for w, s in zip(shape, t.shape)):
             want = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
             raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
-    if device is not None and t.device != torch.device(device):
+    if device is not None and not same_device(t.device, torch.device(device)):
         raise ValueError(f"{name} must be on {device}, got {t.device}")
     if inner_contiguous and t.ndim and t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(f"{name} must have a unit inner stride, got strides {t.stride()}")
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Equal devices, a missing index meaning the current device of that type."""
+    if a.type != b.type:
+        return False
+    if a.type == "cuda":
+        return (a.index if a.index is not None else torch.cuda.current_device()) == \
+            (b.index if b.index is not None else torch.cuda.current_device())
+    return True
 
 
 def check_pool_size(pool_size: int) -> None:

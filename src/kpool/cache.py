@@ -86,6 +86,8 @@ class KPoolCache:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         for name, value in (("num_pages", num_pages), ("page_size", page_size), ("pool_size", pool_size),
                             ("max_requests", max_requests)):
             if not isinstance(value, int) or value < 1:
@@ -155,6 +157,8 @@ class KPoolCache:
         num_accepted = [int(n) for n in (num_accepted.tolist() if torch.is_tensor(num_accepted) else num_accepted)]
         if len(num_accepted) != len(request_ids):
             raise ValueError(f"num_accepted has {len(num_accepted)} entries for {len(request_ids)} request_ids")
+        if len(set(request_ids)) != len(request_ids):
+            raise ValueError("request_ids must not repeat within an accept")
         reqs = [self._get(r) for r in request_ids]
         for rid, req, n in zip(request_ids, reqs, num_accepted):
             if req.step_kind != "decode":

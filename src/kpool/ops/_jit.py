@@ -11,18 +11,20 @@ import triton.language as tl
 from ..numerics import EXP2_POLY, EXP_T_MIN, LOG2E
 from ..layout import AMAX_FLOOR, HADAMARD_SCALE
 
-_C7, _C6, _C5, _C4, _C3, _C2, _C1, _C0 = EXP2_POLY
+# Globals read inside @triton.jit code must be tl.constexpr: the real compiler rejects plain
+# Python floats (NameError), only the interpreter accepts them.
+LOG2E, EXP_T_MIN = tl.constexpr(LOG2E), tl.constexpr(EXP_T_MIN)
+AMAX_FLOOR, HADAMARD_SCALE = tl.constexpr(AMAX_FLOOR), tl.constexpr(HADAMARD_SCALE)
+_C5, _C4, _C3, _C2, _C1, _C0 = (tl.constexpr(c) for c in EXP2_POLY)
 
 
 @triton.jit
 def exp_exact(x):
-    """exp(x) for x <= 0: ``2^n * poly7(r)``, ``t = x*log2(e)``, ``n = floor(t + 0.5)``."""
+    """exp(x) for x <= 0: ``2^n * poly5(r)``, ``t = x*log2(e)``, ``n = floor(t + 0.5)``."""
     t = tl.maximum(x * LOG2E, EXP_T_MIN)
     n = tl.floor(t + 0.5)
     r = t - n
-    p = r * _C7 + _C6
-    p = p * r + _C5
-    p = p * r + _C4
+    p = r * _C5 + _C4
     p = p * r + _C3
     p = p * r + _C2
     p = p * r + _C1
@@ -107,11 +109,19 @@ def fp8_encode(x, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr):
 
 @triton.jit
 def quantize(y, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr, ROUND_SCALE: tl.constexpr):
-    """Per-row fp8 of a bf16-exact ``[BN, 128]`` fp32 tile -> (codes uint8 [BN,128], scale [BN])."""
+    """Per-row fp8 of a bf16-exact ``[BN, 128]`` fp32 tile -> (codes uint8 [BN,128], scale [BN]).
+
+    With power-of-two scales ``y / scale`` is computed as ``y * 2^-e``: both are the
+    correctly rounded value of the same real number, so the bits equal ``div_rn``'s.
+    """
     amax = tl.max(tl.abs(y), axis=1)
     scale = quant_scale(amax, 1.0 / FP8_MAX, ROUND_SCALE)
-    codes = fp8_encode(tl.math.div_rn(y, scale[:, None]), FP8_MAX, FNUZ)
-    return codes, scale
+    if ROUND_SCALE:
+        inv = ((254 - ((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF)) << 23).to(tl.float32, bitcast=True)
+        q = y * inv[:, None]
+    else:
+        q = tl.math.div_rn(y, scale[:, None])
+    return fp8_encode(q, FP8_MAX, FNUZ), scale
 
 
 @triton.jit

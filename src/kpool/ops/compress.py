@@ -13,13 +13,17 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .._backend import backend_for
+from .._backend import backend_for, interpreting
 from .._checks import (INT_DTYPES, check_head_dim, check_index_range, check_kv_cache, check_pool_size,
                        check_tensor)
 from ..layout import HEAD_DIM, fp8_max, resolve_fp8_dtype, resolve_layout
 from . import _jit
 
-BLOCK_POOLS = 8
+# Pools per program and warps: on the H200 one pool per one-warp program beat 2-32 pools on
+# 1-8 warps (benchmarks/NOTES.md); the CPU interpreter runs fewer, larger programs faster.
+# The bytes do not depend on the tile size.
+BLOCK_POOLS, NUM_WARPS = 1, 1
+INTERPRETER_BLOCK_POOLS = 16
 
 
 @triton.jit
@@ -77,7 +81,8 @@ def launch_compress(kv_cache, k, g, k_strides, g_strides, ape, loc, n_pools, poo
     cache = kv_cache if write else k
     cache_u8 = cache.view(torch.uint8) if write else loc
     cache_f32 = kv_cache.view(torch.float32) if write else loc
-    grid = (triton.cdiv(n_pools, BLOCK_POOLS),)
+    block = INTERPRETER_BLOCK_POOLS if interpreting() else BLOCK_POOLS
+    grid = (triton.cdiv(n_pools, block),)
     _compress_kernel[grid](
         cache_u8, cache_f32, kv_cache.stride(0) if write else 0,
         kv_cache.shape[0] * kv_cache.shape[1] if write else 0,
@@ -87,12 +92,12 @@ def launch_compress(kv_cache, k, g, k_strides, g_strides, ape, loc, n_pools, poo
         meta if meta is not None else k, tail if tail is not None else k,
         tail.stride(0) if tail is not None else 0, tail.stride(1) if tail is not None else 0, n_pools,
         P=pool_size, RING=tail.shape[2] if tail is not None else pool_size,
-        PAGE=kv_cache.shape[1] if write else 1, BN=BLOCK_POOLS,
+        PAGE=kv_cache.shape[1] if write else 1, BN=block,
         PRESHUFFLE=layout == "preshuffle", FP8_MAX=fp8_max(fp8_dtype),
         FNUZ=fp8_dtype == torch.float8_e4m3fnuz, ROUND_SCALE=round_scale,
         HAS_MASK=write_mask is not None, HAS_META=meta is not None,
         WRITE_CACHE=write, RETURN_COMPRESSED=codes is not None,
-        enable_fp_fusion=False,
+        num_warps=NUM_WARPS, enable_fp_fusion=False,
     )
 
 
