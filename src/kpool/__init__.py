@@ -9,6 +9,10 @@ if _backend.interpreting():  # Triton's CPU interpreter: make its float downcast
 
 from .ops.compress import kpool_compress_and_write_cache
 from .ops.decode import kpool_decode_update_and_maybe_write_cache_batched
+from .ops.select import (append_tail_to_topk, build_pooled_page_table, compute_pooled_write_locs,
+                         expand_pools_and_append_tail, expand_pools_to_tokens, history_group_budget_for_topk)
 from .ops.tail import kpool_seed_tail_cache
 
-__all__ = ["kpool_compress_and_write_cache", "kpool_decode_update_and_maybe_write_cache_batched", "kpool_seed_tail_cache"]
+__all__ = ["kpool_compress_and_write_cache", "kpool_decode_update_and_maybe_write_cache_batched", "kpool_seed_tail_cache",
+           "expand_pools_and_append_tail", "expand_pools_to_tokens", "append_tail_to_topk",
+           "build_pooled_page_table", "compute_pooled_write_locs", "history_group_budget_for_topk"]
