@@ -1,0 +1,125 @@
+"""Decode / speculative-verify update under CUDA-graph replay.
+
+Every request sits at a random position ``pos0`` and sends ``next_n`` tokens
+``pos0 .. pos0 + next_n - 1``; its tail block is a random one of ``B`` blocks, its tail
+slots ``block*RING + pos % RING``; ``slot_mapping`` holds a random free cache slot on the
+tokens that complete a pool (``(pos + 1) % P == 0``) and -1 elsewhere (int32 mappings, as
+the seed documents).
+
+* ``ours`` / ``seed``: RING == P (the seed's kernel requires ``tail.shape[2] == P``).
+* ``ours_ring2P``: ours with RING = 2P (room for speculative drafts); compared with the
+  seed at RING = P.
+* ``torch``: ``kpool.reference.decode_update`` is a per-token Python loop with host syncs;
+  it is timed at batch 1 only (eager events), and not graph-captured.
+
+Bytes: per token its key + gate read (512 B), three int32 mappings, its ring stash
+written (512 B); per completing token one 132-byte entry written plus the ring entries
+its pool reads from before the step (512 B each); ``ape`` once. Computed from set 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+OP = "decode"
+TITLE = "decode / verify update (graph replay)"
+PAGE = 64
+HEAD = 128
+FP8 = torch.float8_e4m3fn
+TORCH_MAX_BATCH = 1
+CHECK_MAX_BATCH = 64
+
+
+def cases(mode):
+    if mode == "dry":
+        grid = [(b, nn, p) for p in (4, 16) for b, nn in ((1, 1), (3, 3))]
+    elif mode == "quick":
+        grid = [(b, nn, p) for p in (4, 16) for b in (1, 1024) for nn in (1, 4)]
+    else:
+        grid = [(b, nn, p) for p in (4, 16) for b in (1, 64, 256, 1024) for nn in (1, 2, 4)]
+    return [{"label": f"P={p} B={b} next_n={nn}", "P": p, "batch": b, "next_n": nn, "page": PAGE}
+            for b, nn, p in grid]
+
+
+def impls(case):
+    out = ["ours", "ours_ring2P", "seed"]
+    if case["batch"] <= TORCH_MAX_BATCH:
+        out.append("torch")
+    return out
+
+
+def targets(case):
+    t = [{"impl": i, "kind": "max_vs_seed", "value": 1.0, "text": "<= seed"} for i in ("ours", "ours_ring2P")]
+    if case["batch"] == 1024 and case["next_n"] == 4:
+        t.append({"impl": "ours", "kind": "max_us", "value": 3.0, "text": "<= 3 us"})
+    return t
+
+
+def make_inputs(ctx, b, nn, p, ring, i):
+    base = 7919 * i + 31 * p + nn
+    dev = ctx.device
+    pos0 = ctx.randint(4 * p, 1 << 20, (b,), base + 1)
+    positions = pos0[:, None] + torch.arange(nn, device=dev)
+    blocks = ctx.randperm(b, base + 2)
+    tslot = blocks[:, None] * ring + positions % ring
+    complete = (positions + 1) % p == 0
+    num_pages = -(-(b * nn) // PAGE) + 1
+    slots = ctx.randperm(num_pages * PAGE, base + 3)[: b * nn].view(b, nn)
+    slot_mapping = torch.where(complete, slots, -1)
+    return (ctx.rand_bytes((num_pages, PAGE, HEAD + 4), base + 4),
+            ctx.randn((b, 2, ring, HEAD), base + 5),
+            tslot.to(torch.int32),
+            ctx.randn((b, nn, HEAD), base + 6),
+            ctx.randn((b, nn, HEAD), base + 7),
+            ctx.randn((p, HEAD), base + 8, dtype=torch.float32, scale=0.5),
+            slot_mapping.to(torch.int32),
+            positions.to(torch.int32))
+
+
+def count_bytes(inputs, p):
+    positions, slot_mapping = inputs[7].to(torch.int64).cpu(), inputs[6].cpu()
+    b, nn = positions.shape
+    complete = (slot_mapping >= 0) & ((positions + 1) % p == 0)
+    pos0 = positions[:, :1]
+    ring_reads = (pos0 - (positions - (p - 1))).clamp(0, p - 1)
+    n_done = int(complete.sum())
+    n_ring = int(ring_reads[complete].sum())
+    return b * nn * (2 * 2 * HEAD * 2 + 12) + n_done * (HEAD + 4) + n_ring * 4 * HEAD + p * HEAD * 4, n_done
+
+
+def bench(ctx, case, impl):
+    import kpool
+    from kpool import reference
+    p, b, nn = case["P"], case["batch"], case["next_n"]
+    ring = 2 * p if impl == "ours_ring2P" else p
+    if impl in ("ours", "ours_ring2P"):
+        def fn(*a):
+            kpool.kpool_decode_update_and_maybe_write_cache_batched(*a, p, layout="plain", fp8_dtype=FP8)
+    elif impl == "seed":
+        seed = ctx.require_seed()
+
+        def fn(*a):
+            seed.kpool_decode_update_and_maybe_write_cache_batched(*a, p)
+    elif impl == "torch":
+        def fn(*a):
+            reference.decode_update(*a, p, FP8, "plain")
+    else:
+        raise ValueError(impl)
+    extra = {"ring": ring, "layout": "preshuffle" if impl == "seed" else "plain"}
+    if impl == "torch":
+        extra["note"] = "per-token python loop reference, eager; timed at small batch only"
+    if impl.startswith("ours") and ctx.check and (b <= CHECK_MAX_BATCH or ctx.mode == "dry"):
+        a = make_inputs(ctx, b, nn, p, ring, 99)
+        ref = ctx.cpu(*a)
+        fn(*a)
+        reference.decode_update(*ref, p, FP8, "plain")
+        dk, dt = int((a[0].cpu() != ref[0]).sum()), int((a[1].cpu() != ref[1]).sum())
+        extra.update(exact=dk == 0 and dt == 0,
+                     exact_note=f"cache and ring vs the torch reference on the CPU: {dk} cache bytes, "
+                                f"{dt} ring elements differ")
+    first = make_inputs(ctx, b, nn, p, ring, 0)
+    nbytes, n_done = count_bytes(first, p)
+    alloc = sum(t.numel() * t.element_size() for t in first)
+    del first
+    extra["completions_per_call"] = n_done
+    return ctx.run(fn, lambda i: make_inputs(ctx, b, nn, p, ring, i), bytes=nbytes, alloc_bytes=alloc, graph=impl != "torch", **extra)

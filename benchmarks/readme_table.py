@@ -1,0 +1,182 @@
+#!/usr/bin/env python
+"""README performance table, generated from a results JSON (never typed by hand).
+
+    python benchmarks/readme_table.py benchmarks/results/h200.json              # print the block
+    python benchmarks/readme_table.py benchmarks/results/h200.json --write README.md
+
+The block sits between ``<!-- bench:start -->`` and ``<!-- bench:end -->``; ``--write``
+replaces it in place (or appends a "Performance" section holding it when the markers are
+missing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+START, END = "<!-- bench:start -->", "<!-- bench:end -->"
+# Which of our implementations each op's main table shows, in order.
+PRIMARY = {"compress": ["ours"], "prefill": ["ours"], "expand": ["ours"], "seed_tail": ["ours_per_request", "ours"]}
+OP_NAMES = {"compress": "compress + write", "prefill": "prefill write (token-major)",
+            "expand": "expand pools + append tail", "seed_tail": "ring seeding", "decode": "decode / verify update"}
+IMPL_NAMES = {"ours": "ours", "ours_per_request": "ours (per request)", "ours_ring2P": "ours, RING=2P"}
+
+
+def _f(x, spec):
+    return "—" if x is None else format(x, spec)
+
+
+def _us(x):
+    if x is None:
+        return "—"
+    return f"{x:.1f}" if x >= 10 else f"{x:.2f}"
+
+
+def _index(doc):
+    return {(r["op"], r["case"], r["impl"]): r for r in doc["results"]}
+
+
+def _status(rec):
+    ts = rec.get("targets") or []
+    if not ts:
+        return ""
+    return "; ".join(f"{t['text']} {({True: '✅', False: '❌', None: '?'})[t['ok']]}" for t in ts)
+
+
+def _cell_err(rec):
+    if rec is None:
+        return "—"
+    if rec["status"] != "ok":
+        return rec["status"]
+    return None
+
+
+def throughput_table(doc) -> list[str]:
+    idx = _index(doc)
+    cases = []
+    for r in doc["results"]:
+        key = (r["op"], r["case"])
+        if r["op"] in PRIMARY and key not in cases:
+            cases.append(key)
+    if not cases:
+        return []
+    lines = ["| op | size | impl | ours µs | seed µs | torch µs | ours GB/s | ours / copy BW | seed / copy BW "
+             "| speedup vs seed | target |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for op, case in cases:
+        seed, torch_ = idx.get((op, case, "seed")), idx.get((op, case, "torch"))
+        for impl in PRIMARY[op]:
+            rec = idx.get((op, case, impl))
+            if rec is None:
+                continue
+            bad = _cell_err(rec)
+            sp = rec.get("speedup_vs_seed")
+            lines.append(
+                f"| {OP_NAMES.get(op, op)} | {case} | {IMPL_NAMES.get(impl, impl)} | "
+                f"{bad or _us(rec.get('us'))} | {_cell_err(seed) or _us(seed.get('us'))} | "
+                f"{_cell_err(torch_) or _us(torch_.get('us'))} | {_f(rec.get('gbps'), '.0f')} | "
+                f"{_f(rec.get('frac_copy'), '.2f')} | {_f((seed or {}).get('frac_copy'), '.2f')} | "
+                f"{(format(sp, '.2f') + '×') if sp else '—'} | {_status(rec)} |")
+    return lines
+
+
+def decode_table(doc) -> list[str]:
+    recs = [r for r in doc["results"] if r["op"] == "decode"]
+    if not recs:
+        return []
+    idx = _index(doc)
+    batches = sorted({r["params"]["batch"] for r in recs})
+    rows = sorted({(r["params"]["P"], r["params"]["next_n"]) for r in recs})
+    lines = ["Decode / verify update under CUDA-graph replay, µs per call, **ours / seed** (seed at RING = P):", "",
+             "| P | next_n | impl | " + " | ".join(f"B={b}" for b in batches) + " |",
+             "|---|---|---|" + "---:|" * len(batches)]
+    for impl in ("ours", "ours_ring2P"):
+        for p, nn in rows:
+            cells = []
+            for b in batches:
+                label = f"P={p} B={b} next_n={nn}"
+                mine, seed = idx.get(("decode", label, impl)), idx.get(("decode", label, "seed"))
+                m = _cell_err(mine) or _us(mine.get("us"))
+                s = _cell_err(seed) or _us(seed.get("us"))
+                ok = [t["ok"] for t in (mine or {}).get("targets", [])]
+                mark = " ❌" if False in ok else ""
+                cells.append(f"{m} / {s}{mark}")
+            lines.append(f"| {p} | {nn} | {IMPL_NAMES.get(impl, impl)} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def render(doc, source: str = "") -> str:
+    meta = doc["meta"]
+    cp = (doc.get("copy_bandwidth") or {}).get("gbps")
+    git = meta.get("git") or {}
+    commit = (git.get("commit") or "unknown")[:12] + (" (dirty)" if git.get("dirty") else "")
+    head = (f"Measured on **{meta.get('gpu') or meta.get('device')}** ({meta.get('date_utc', '?')[:10]}, "
+            f"commit `{commit}`, torch {meta.get('torch')}, triton {meta.get('triton')}, {meta.get('mode')} run); "
+            f"device copy bandwidth in the same run: **{_f(cp, '.0f')} GB/s** (read + write). "
+            "Memory floor = bytes (each input read once, each output written once) / copy bandwidth; "
+            "\"/ copy BW\" = achieved GB/s / copy GB/s = floor / time.")
+    out = [START, f"<!-- generated by benchmarks/readme_table.py from {source or 'a results JSON'}; do not edit -->",
+           "", head, ""]
+    if not meta.get("timing_valid", True):
+        out += ["> **Dry run on CPU: these timings are meaningless** (they only exercise the code paths).", ""]
+    t = throughput_table(doc)
+    if t:
+        out += t + [""]
+    d = decode_table(doc)
+    if d:
+        out += d + [""]
+    shown = {(op, impl) for op, impls in PRIMARY.items() for impl in impls}
+    others = [r for r in doc["results"] if r["op"] in PRIMARY and r["impl"] not in ("seed", "torch")
+              and (r["op"], r["impl"]) not in shown and r["status"] == "ok"]
+    if others:
+        out.append("Other variants, µs (× copy BW): " + "; ".join(
+            f"{r['op']} {r['case']} {r['impl']} {_us(r.get('us'))} ({_f(r.get('frac_copy'), '.2f')})" for r in others)
+            + ".")
+        out.append("")
+    errs = [r for r in doc["results"] if r["status"] != "ok"]
+    if errs:
+        out.append(f"{len(errs)} measurement(s) did not complete: "
+                   + ", ".join(f"{r['op']}/{r['case']}/{r['impl']} ({r['status']})" for r in errs[:8])
+                   + (" …" if len(errs) > 8 else ""))
+        out.append("")
+    out.append("Seed: its wrappers write the preshuffled layout at PAGE > 1 and its decode needs RING = P; "
+               "ours is measured with the plain (NVIDIA) layout. Method: `benchmarks/harness.py`.")
+    out.append(END)
+    return "\n".join(out)
+
+
+def replace_block(text: str, block: str) -> str:
+    """``text`` with the marked block replaced (or a Performance section appended)."""
+    i, j = text.find(START), text.find(END)
+    if i >= 0 and j > i:
+        return text[:i] + block + text[j + len(END):]
+    if i >= 0 or j >= 0:
+        raise ValueError(f"README has only one of the markers {START} / {END}")
+    sep = "" if text.endswith("\n\n") else ("\n" if text.endswith("\n") else "\n\n")
+    return text + sep + "## Performance\n\n" + block + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("json", help="results JSON (benchmarks/results/<gpu>.json)")
+    ap.add_argument("--write", metavar="README", default=None, help="rewrite this README in place")
+    args = ap.parse_args(argv)
+    doc = json.loads(Path(args.json).read_text())
+    try:
+        source = str(Path(args.json).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        source = Path(args.json).name
+    block = render(doc, source)
+    if args.write:
+        path = Path(args.write)
+        path.write_text(replace_block(path.read_text() if path.exists() else "", block))
+        print(f"updated {path}")
+    else:
+        print(block)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

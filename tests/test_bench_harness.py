@@ -1,0 +1,149 @@
+"""Benchmark harness logic on the CPU: dry run of two ops, derived figures, README table, plot data.
+
+Timings on the CPU mean nothing; these tests check the plumbing: records, error isolation
+(the seed is pointed at a missing file), exactness checks, JSON contents, targets, the
+generated README block and the plot's series.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from kpool import bench
+
+BENCH_DIR = bench.find_bench_dir()
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"_test_{name}", BENCH_DIR / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def dry_doc(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("KPOOL_BACKEND", "torch")  # fast: our ops through the torch backend
+    out = tmp_path_factory.mktemp("bench") / "dry.json"
+    try:
+        doc = bench.run_benchmarks(ops=["expand", "seed_tail"], out_json=str(out), dry_run=True,
+                                   seed_path=str(out.parent / "missing_seed.py"), device="cpu", verbose=False)
+    finally:
+        mp.undo()
+    return doc, out
+
+
+def test_dry_run_records_and_json(dry_doc):
+    doc, out = dry_doc
+    on_disk = json.loads(out.read_text())
+    assert on_disk["meta"]["partial"] is False
+    assert on_disk["results"] == json.loads(json.dumps(doc["results"], default=str))
+    meta = doc["meta"]
+    for key in ("gpu", "torch", "triton", "git", "date_utc", "source_sha256", "mode", "timing_valid"):
+        assert key in meta
+    assert meta["mode"] == "dry" and meta["timing_valid"] is False
+    assert "not found" in meta["seed_error"]
+    h = bench.harness()
+    plan = h.build_plan(["expand", "seed_tail"], "dry", {op: h.load_op_module(op) for op in ("expand", "seed_tail")})
+    assert len(doc["results"]) == len(plan)
+    for r in doc["results"]:
+        if r["impl"] == "seed":
+            assert r["status"] == "error" and "seed baseline unavailable" in r["error"]
+        else:
+            assert r["status"] == "ok", r
+            assert r["us"] > 0 and r["bytes"] > 0 and r["gbps"] > 0
+            assert r["timing"].startswith("cpu")
+        if r["impl"].startswith("ours"):
+            assert r["exact"] is True, r
+    assert "score" not in {r["op"] for r in doc["results"]}
+
+
+def test_table_formats_errors_and_values(dry_doc):
+    doc, _ = dry_doc
+    text = bench.harness().format_table(doc)
+    assert "NOT meaningful" in text
+    assert "ERROR" in text and "ours_per_request" in text
+
+
+def _fake_doc():
+    """A GPU-like result document (made-up numbers) pushed through the harness's finalize."""
+    h = bench.harness()
+    mods = {op: h.load_op_module(op) for op in ("compress", "decode", "expand", "seed_tail", "prefill")}
+    results = []
+    fake_us = {"ours": 1.0, "ours_ring2P": 1.1, "ours_per_request": 0.5, "ours_gathered": 1.5, "seed": 2.5,
+               "seed_upstream": 6.0, "torch": 20.0}
+    for op, mod in mods.items():
+        for case in mod.cases("full"):
+            scale = (case.get("pools") or case.get("rows") or case.get("tokens") or case.get("batch") * 1000) / 1e3
+            for impl in mod.impls(case):
+                us = fake_us[impl] * scale
+                results.append({"op": op, "case": case["label"], "impl": impl, "status": "ok", "error": None,
+                                "params": {k: v for k, v in case.items() if k != "label"},
+                                "us": us, "bytes": int(4.0e3 * scale * 1e3 * 0.9), "mode": "full"})
+    results[1] = {**results[1], "status": "error", "error": "RuntimeError: boom", "us": None}
+    h.finalize(results, 4000.0, mods, "full")
+    return {"meta": {"gpu": "NVIDIA H200", "mode": "full", "timing_valid": True, "torch": "2.11", "triton": "3.6",
+                     "date_utc": "2026-11-30T00:00:00+00:00", "git": {"commit": "abc123", "dirty": False}},
+            "copy_bandwidth": {"gbps": 4000.0}, "results": results}
+
+
+def test_finalize_derives_figures_and_targets():
+    doc = _fake_doc()
+    by = {(r["op"], r["case"], r["impl"]): r for r in doc["results"]}
+    r = by[("compress", "P=4 pools=262144", "ours")]
+    assert r["gbps"] == pytest.approx(r["bytes"] / r["us"] / 1e3)
+    assert r["frac_copy"] == pytest.approx(r["gbps"] / 4000.0)
+    assert r["floor_us"] == pytest.approx(r["us"] * r["frac_copy"])
+    assert r["speedup_vs_seed"] == pytest.approx(2.5)
+    (t,) = r["targets"]
+    assert t["ok"] == (r["frac_copy"] >= 0.85)
+    d = by[("decode", "P=4 B=1024 next_n=4", "ours")]
+    kinds = {t["kind"]: t["ok"] for t in d["targets"]}
+    assert kinds == {"max_vs_seed": True, "max_us": d["us"] <= 3.0}
+    assert "speedup_vs_seed" not in by[("compress", "P=4 pools=65536", "seed")]
+
+
+def test_readme_table_render_and_rewrite(tmp_path):
+    rt = _load("readme_table")
+    doc = _fake_doc()
+    block = rt.render(doc, "benchmarks/results/h200.json")
+    assert block.startswith(rt.START) and block.endswith(rt.END)
+    assert "NVIDIA H200" in block and "4000 GB/s" in block
+    assert "| compress + write | P=16 pools=262144 | ours |" in block
+    assert "B=1024" in block and "ours, RING=2P" in block
+    assert "did not complete" in block  # the injected error is reported, not hidden
+    readme = tmp_path / "README.md"
+    readme.write_text("# kpool\n\nintro\n")
+    json_path = tmp_path / "r.json"
+    json_path.write_text(json.dumps(doc))
+    rt.main([str(json_path), "--write", str(readme)])
+    once = readme.read_text()
+    assert once.startswith("# kpool\n\nintro\n") and "## Performance" in once and once.count(rt.START) == 1
+    rt.main([str(json_path), "--write", str(readme)])
+    assert readme.read_text() == once  # idempotent: the block is replaced in place
+    readme.write_text(once.replace(rt.END, ""))
+    with pytest.raises(ValueError, match="only one of the markers"):
+        rt.main([str(json_path), "--write", str(readme)])
+
+
+def test_plot_series_groups_by_impl_and_fixed_params():
+    pl = _load("plot")
+    data = pl.series(_fake_doc())
+    comp = data["compress"]
+    assert set(comp) >= {("ours", (("P", 4),)), ("seed", (("P", 16),)), ("torch", (("P", 4),))}
+    assert [x for x, _ in comp[("ours", (("P", 16),))]] == [65_536, 262_144]
+    dec = data["decode"]
+    assert ("ours_ring2P", (("P", 16), ("next_n", 4))) in dec
+    assert [x for x, _ in dec[("seed", (("P", 4), ("next_n", 2)))]] == [1, 64, 256, 1024]
+
+
+def test_gpu_slug():
+    h = bench.harness()
+    assert h.gpu_slug("NVIDIA H200") == "h200"
+    assert h.gpu_slug("NVIDIA H100 80GB HBM3") == "h100"
+    assert h.gpu_slug("AMD Instinct MI300X") == "mi300x"
+    assert h.gpu_slug(None) == "cpu"
