@@ -213,8 +213,8 @@ __all__ = [
 #    a head's dot product q8.k8 is the exact integer sum (< 2^43: exact in int64 and in
 #    fp64 whatever the order), converted once to fp32 (RNE), times unit^2 (exact);
 #    NaN codes make the dot NaN;
-#  * then, in fp32, s = dot * kscale, r = (s < 0 ? 0 : s), acc = acc + w[h] * r for
-#    h = 0 .. H-1 from acc = 0 (no FMA);
+#  * then, in fp32, s = dot * kscale, r = (s < 0 ? 0 : s), t[h] = w[h] * r, and the heads
+#    are summed as a pairwise tree (H a power of two): ((t0 + t1) + (t2 + t3)) + ...;
 #  * selection orders pools by the key (ordered score, -id): -0.0 == +0.0, NaN lowest.
 # =============================================================================================
 
@@ -245,13 +245,18 @@ def pool_scores(q_codes, weights, k_codes, k_scale, fp8_dtype):
     ki, kn = ints[k_codes.long()], nan[k_codes.long()].any(-1)  # [N, 128] fp64, [N]
     unit2 = torch.tensor(unit * unit, dtype=_F32, device=q_codes.device)
     kscale = k_scale.to(_F32)[None, :]
-    acc = torch.zeros(rows, k_codes.shape[0], dtype=_F32, device=q_codes.device)
+    stack = []  # pairwise head tree, streamed: (level, partial sum [R, N])
     for h in range(heads):
         dot = (qi[:, h] @ ki.T).to(_F32) * unit2  # exact integer sum, one rounding
         s = torch.where(qn[:, h, None] | kn[None, :], float("nan"), dot) * kscale
-        r = torch.where(s < 0, 0.0, s)
-        acc = acc + weights[:, h, None].to(_F32) * r
-    return acc
+        t = weights[:, h, None].to(_F32) * torch.where(s < 0, 0.0, s)
+        level = 0
+        while stack and stack[-1][0] == level:
+            t = stack.pop()[1] + t
+            level += 1
+        stack.append((level, t))
+    assert len(stack) == 1, "H must be a power of two"
+    return stack[0][1]
 
 
 def paged_pool_logits(q_codes, kv_cache, weights, pool_lens, page_table, layout, fp8_dtype, max_pools):

@@ -1,0 +1,53 @@
+"""Shared ``@triton.jit`` fp8 e4m3 *decoders* built from integer ops (the inverse of
+``_jit.fp8_encode``).
+
+No Triton fp8 conversion is used, so they compile for every target (sm_80 has no
+``float8e4nv`` conversion, gfx942 needs ``float8e4b8``) and run unchanged in the CPU
+interpreter.
+
+Every finite e4m3 value is an integer multiple of a unit: ``2^-9`` for e4m3fn (bias 7)
+and ``2^-10`` for e4m3fnuz (bias 8). With ``e`` the 4 exponent bits and ``m`` the 3
+mantissa bits of a code, the integer is ``m`` (``e == 0``, subnormal) or
+``(8 + m) << (e - 1)`` (normal), signed by the top bit: at most ``229376`` (448, fn) or
+``245760`` (240, fnuz), i.e. 18 bits. NaN codes (fn: ``0x7F``/``0xFF``; fnuz: ``0x80``)
+decode to integer 0 plus a NaN flag. The formats have no infinities.
+"""
+
+import triton
+import triton.language as tl
+
+UNIT_FN = 2.0 ** -9  # e4m3fn integer unit
+UNIT_FNUZ = 2.0 ** -10  # e4m3fnuz integer unit
+
+
+def fp8_unit(fnuz: bool) -> float:
+    """The value of integer 1 in ``fp8_int``'s representation."""
+    return UNIT_FNUZ if fnuz else UNIT_FN
+
+
+@triton.jit
+def fp8_int(code, FNUZ: tl.constexpr):
+    """uint8 e4m3 code -> ``(value / unit)`` as int32 (exact, NaN codes -> 0), NaN flag (bool)."""
+    c = code.to(tl.int32) & 0xFF
+    e = (c >> 3) & 0xF
+    m = c & 0x7
+    mag = tl.where(e == 0, m, (m + 8) << tl.maximum(e - 1, 0))
+    if FNUZ:
+        nan = c == 0x80
+    else:
+        nan = (c & 0x7F) == 0x7F
+    mag = tl.where(nan, 0, mag)
+    return tl.where((c & 0x80) != 0, -mag, mag), nan
+
+
+@triton.jit
+def fp8_decode(code, FNUZ: tl.constexpr):
+    """uint8 e4m3 code -> its exact fp32 value (NaN codes -> NaN, 0x80 -> -0.0 for fn)."""
+    v, nan = fp8_int(code, FNUZ)
+    if FNUZ:
+        unit: tl.constexpr = 0.0009765625  # 2^-10
+    else:
+        unit: tl.constexpr = 0.001953125  # 2^-9
+    x = tl.abs(v).to(tl.float32) * unit
+    x = tl.where((code.to(tl.int32) & 0x80) != 0, -x, x)
+    return tl.where(nan, float("nan"), x)

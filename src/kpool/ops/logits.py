@@ -1,0 +1,334 @@
+"""Pooled fp8 logits (SPEC.md §5): ``logit[j] = sum_h w[h] * relu(q8[h].k8[j] * kscale[j])``.
+
+Two forms: ``paged_pool_logits`` (decode / speculative verify, pools read from the paged
+indexer cache through a per-request page table, per-row visible pool counts) and
+``ragged_pool_logits`` (prefill, a contiguous run of gathered pools, per-query ``[ks, ke)``).
+``w`` is fp32 and already folded (``weights_h * q_scale_h * 128^-0.5 * H^-0.5``); head
+weights may be negative, so the relu is applied per head, before the weighting.
+
+Exact formulation (identical fp32 bits in the torch reference, under the Triton CPU
+interpreter and on every GPU; kernels are launched with ``enable_fp_fusion=False``):
+
+1. Every e4m3 code decodes, by integer ops (``_jit_fp8.fp8_int``, no Triton fp8
+   conversion, so sm_80 and the interpreter work), to an integer ``|i| < 2^18`` times a
+   unit ``u`` (``2^-9`` e4m3fn, ``2^-10`` e4m3fnuz). The head dot product ``q8[h].k8[j]``
+   is the exact integer sum of 128 products (``|sum| < 128 * 2^36 = 2^43``), converted
+   ONCE to fp32 (round to nearest even) and multiplied by ``u^2`` (exact). A NaN code in
+   either vector makes it NaN. The kernels get the exact sum from int8 ``tl.dot``s: each
+   integer is split into three signed 6-bit limbs (``i = l0 + l1*2^6 + l2*2^12``), the
+   nine limb products are int8 MMAs with exact int32 accumulation (``128 * 63^2 < 2^31``),
+   recombined with their shifts in int64. The torch reference uses an fp64 matmul on the
+   integers, exact in any summation order since every partial sum is an integer below
+   ``2^53``.
+2. In fp32: ``s = dot * kscale[j]``; ``r = 0 if s < 0 else s`` (NaN kept);
+   ``t[h] = w[h] * r``; the heads are summed as a fixed pairwise tree (H a power of two):
+   ``((t0 + t1) + (t2 + t3)) + ((t4 + t5) + (t6 + t7)) + ...``.
+3. Pools a row does not see are ``-inf``. A visible pool whose page id is outside
+   ``[0, num_pages)`` is not read and scores NaN (selection ranks NaN last).
+
+Performance notes (correctness-first kernels): one program per (query row, block of
+``BN`` pools), so each query row re-reads its pools' keys; the nine int8 limb MMAs cost 9x
+the MACs of one fp8 MMA (int8 and fp8 MMA rates are equal on H100/H200). A fast decode
+kernel would score all ``next_n`` rows of a request in one program (MMA M = next_n * H)
+so each key byte is read once, take BN = PAGE-sized tiles with one page-id load per tile,
+and pipeline the key loads. Prefill at 8192 x 32768 pools is compute-bound: expect about
+1/9 of the fp8 MMA rate with exact limbs; a non-exact native-fp8 ``tl.dot`` mode would be
+the alternative if that is not enough.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import reference
+from .._backend import backend_for
+from .._checks import INT_DTYPES, check_kv_cache, check_tensor, range_checks_enabled
+from ..layout import FP8_DTYPES, HEAD_DIM, resolve_fp8_dtype, resolve_layout
+from . import _jit, _jit_fp8
+
+BLOCK_POOLS = 32
+SUPPORTED_HEADS = (16, 32, 64)
+CODE_DTYPES = FP8_DTYPES + (torch.uint8,)
+
+
+@triton.jit
+def _limbs(v):
+    """int32 ``|v| < 2^18`` -> three int8 limbs ``l0 + l1 * 2^6 + l2 * 2^12 == v`` (each ``|l| < 64``)."""
+    a = tl.abs(v)
+    neg = v < 0
+    l0 = tl.where(neg, -(a & 63), a & 63).to(tl.int8)
+    l1 = tl.where(neg, -((a >> 6) & 63), (a >> 6) & 63).to(tl.int8)
+    l2 = tl.where(neg, -(a >> 12), a >> 12).to(tl.int8)
+    return l0, l1, l2
+
+
+@triton.jit
+def _int_dot(q0, q1, q2, k0, k1, k2):
+    """Exact integer ``Q @ K`` from int8 limbs (``[H, 128]`` x ``[128, BN]``) -> int64 ``[H, BN]``.
+
+    Each int8 MMA sums 128 products below ``2^12`` in int32 exactly; the nine partial
+    products are recombined with their shifts in int64.
+    """
+    d00 = tl.dot(q0, k0, out_dtype=tl.int32).to(tl.int64)
+    d1 = (tl.dot(q0, k1, out_dtype=tl.int32) + tl.dot(q1, k0, out_dtype=tl.int32)).to(tl.int64)
+    d2 = (tl.dot(q0, k2, out_dtype=tl.int32) + tl.dot(q1, k1, out_dtype=tl.int32)
+          + tl.dot(q2, k0, out_dtype=tl.int32)).to(tl.int64)
+    d3 = (tl.dot(q1, k2, out_dtype=tl.int32) + tl.dot(q2, k1, out_dtype=tl.int32)).to(tl.int64)
+    d4 = tl.dot(q2, k2, out_dtype=tl.int32).to(tl.int64)
+    return d00 + (d1 << 6) + (d2 << 12) + (d3 << 18) + (d4 << 24)
+
+
+@triton.jit
+def _pair_sum(t, N: tl.constexpr, BN: tl.constexpr):
+    """``[N, BN]`` -> ``[N // 2, BN]``: row ``i`` = row ``2i`` + row ``2i + 1``."""
+    a, b = tl.split(tl.permute(tl.reshape(t, (N // 2, 2, BN)), (0, 2, 1)))
+    return a + b
+
+
+@triton.jit
+def _head_tree(t, H: tl.constexpr, BN: tl.constexpr):
+    """Pairwise sum over the heads of ``t [H, BN]`` (H in 16, 32, 64) -> ``[BN]``."""
+    if H == 64:
+        t = _pair_sum(t, 64, BN)
+    if H >= 32:
+        t = _pair_sum(t, 32, BN)
+    t = _pair_sum(t, 16, BN)
+    t = _pair_sum(t, 8, BN)
+    t = _pair_sum(t, 4, BN)
+    t = _pair_sum(t, 2, BN)
+    return tl.reshape(t, (BN,))
+
+
+@triton.jit
+def _block_logits(q_ptrs, w_ptrs, k_ptrs, k_ok, kscale, BN: tl.constexpr, H: tl.constexpr,
+                  FNUZ: tl.constexpr, UNIT2: tl.constexpr):
+    """Pooled logits of ``BN`` pools for one query row -> fp32 ``[BN]`` (module docstring).
+
+    ``q_ptrs [H, 128]`` query codes, ``w_ptrs [H]`` head weights, ``k_ptrs [128, BN]`` key
+    codes (dim-major), loaded where ``k_ok [BN]``; ``kscale [BN]`` fp32.
+    """
+    qv, qn = _jit_fp8.fp8_int(tl.load(q_ptrs), FNUZ)  # [H, 128]
+    kv, kn = _jit_fp8.fp8_int(tl.load(k_ptrs, mask=k_ok[None, :], other=0), FNUZ)  # [128, BN]
+    q0, q1, q2 = _limbs(qv)
+    k0, k1, k2 = _limbs(kv)
+    dot = _int_dot(q0, q1, q2, k0, k1, k2).to(tl.float32) * UNIT2  # [H, BN], one rounding
+    nan = (tl.max(qn.to(tl.int32), axis=1)[:, None] + tl.max(kn.to(tl.int32), axis=0)[None, :]) > 0
+    s = tl.where(nan, float("nan"), dot) * kscale[None, :]
+    r = tl.where(s < 0, 0.0, s)
+    return _head_tree(tl.load(w_ptrs)[:, None] * r, H, BN)
+
+
+@triton.jit
+def _paged_logits_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_ptr, lens_sb, lens_sn,
+                         pt_ptr, pt_sb, pt_sp, kv_ptr, kv_f32_ptr, page_stride, num_pages,
+                         out_ptr, out_stride, max_pools, vis_limit, next_n,
+                         PAGE: tl.constexpr, BN: tl.constexpr, H: tl.constexpr, PRESHUFFLE: tl.constexpr,
+                         FNUZ: tl.constexpr, UNIT2: tl.constexpr):
+    # Program (row = b * next_n + t, block): logits of pools [block*BN, block*BN + BN) of that row.
+    row = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1).to(tl.int64)
+    b = row // next_n
+    t = row % next_n
+    j = blk * BN + tl.arange(0, BN)  # [BN] pool ids
+    d = tl.arange(0, 128)
+    n_vis = tl.load(lens_ptr + b * lens_sb + t * lens_sn).to(tl.int64)
+    n_vis = tl.minimum(tl.maximum(n_vis, 0), vis_limit)
+    vis = j < n_vis
+    pg = tl.load(pt_ptr + b * pt_sb + (j // PAGE) * pt_sp, mask=vis, other=-1).to(tl.int64)
+    ok = vis & (pg >= 0) & (pg < num_pages)
+    state = j % PAGE
+    base = tl.where(ok, pg, 0) * page_stride  # [BN] page byte offsets
+    hh = tl.arange(0, H)
+    acc = tl.zeros([BN], tl.float32)
+    if blk * BN < n_vis:
+        kscale = tl.load(kv_f32_ptr + (base + PAGE * 128) // 4 + state, mask=ok, other=0.0)
+        acc = _block_logits(q_ptr + b * q_sb + t * q_sn + hh[:, None] * q_sh + d[None, :],
+                            w_ptr + b * w_sb + t * w_sn + hh * w_sh,
+                            kv_ptr + base[None, :] + _jit.key_offset(state[None, :], d[:, None], PRESHUFFLE),
+                            ok, kscale, BN, H, FNUZ, UNIT2)
+    out = tl.where(vis, tl.where(ok, acc, float("nan")), float("-inf"))
+    tl.store(out_ptr + row * out_stride + j, out, mask=j < max_pools)
+
+
+@triton.jit
+def _ragged_logits_kernel(q_ptr, q_st, q_sh, w_ptr, w_st, w_sh, k_ptr, k_sn, ksc_ptr, ksc_sn, ks_ptr, ke_ptr,
+                          n_keys, out_ptr, out_stride,
+                          BN: tl.constexpr, H: tl.constexpr, FNUZ: tl.constexpr, UNIT2: tl.constexpr):
+    # Program (query t, block): logits of pools [block*BN, block*BN + BN) for query t.
+    t = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1).to(tl.int64)
+    j = blk * BN + tl.arange(0, BN)  # [BN]
+    d = tl.arange(0, 128)
+    lo = tl.maximum(tl.load(ks_ptr + t).to(tl.int64), 0)
+    hi = tl.minimum(tl.load(ke_ptr + t).to(tl.int64), n_keys)
+    vis = (j >= lo) & (j < hi)
+    hh = tl.arange(0, H)
+    acc = tl.zeros([BN], tl.float32)
+    if (blk * BN < hi) & (blk * BN + BN > lo):
+        kscale = tl.load(ksc_ptr + j * ksc_sn, mask=vis, other=0.0)
+        acc = _block_logits(q_ptr + t * q_st + hh[:, None] * q_sh + d[None, :], w_ptr + t * w_st + hh * w_sh,
+                            k_ptr + j[None, :] * k_sn + d[:, None], vis, kscale, BN, H, FNUZ, UNIT2)
+    out = tl.where(vis, acc, float("-inf"))
+    tl.store(out_ptr + t * out_stride + j, out, mask=j < n_keys)
+
+
+def _unit2(fp8_dtype) -> float:
+    u = _jit_fp8.fp8_unit(fp8_dtype == torch.float8_e4m3fnuz)
+    return u * u
+
+
+def _code_format(named: dict, fp8_dtype, device) -> torch.dtype:
+    """The fp8 format of code tensors (fp8 dtypes or raw uint8 codes); all must agree."""
+    seen = {t.dtype for t in named.values() if t.dtype != torch.uint8}
+    if fp8_dtype is not None:
+        fp8_dtype = resolve_fp8_dtype(fp8_dtype, device)
+        seen.add(fp8_dtype)
+    if len(seen) > 1:
+        names = ", ".join(f"{n}: {t.dtype}" for n, t in named.items())
+        raise TypeError(f"fp8 formats disagree ({names}, fp8_dtype={fp8_dtype})")
+    return seen.pop() if seen else resolve_fp8_dtype(None, device)
+
+
+def _check_heads(name, heads):
+    if heads not in SUPPORTED_HEADS:
+        raise ValueError(f"{name} must have H in {SUPPORTED_HEADS} heads, got {heads}")
+
+
+def _max_value(t: torch.Tensor) -> int | None:
+    if t.numel() == 0 or not range_checks_enabled():
+        return None
+    return int(t.max())
+
+
+def paged_pool_logits(q_fp8, kv_cache, weights, pool_lens, page_table, *, layout=None, fp8_dtype=None,
+                      max_pools=None):
+    """Decode / speculative-verify pooled fp8 logits over the paged indexer cache.
+
+    Parameters
+    ----------
+    q_fp8 : fp8 (or uint8 codes) ``[B, next_n, H, 128]``, H in {16, 32, 64}: rotated,
+        quantized queries (``fwht128_quant_fp8``). Unit inner stride.
+    kv_cache : uint8 ``[num_pages, PAGE, 132]`` indexer K cache (page stride may be padded).
+    weights : fp32 ``[B, next_n, H]`` folded head weights ``weights_h * q_scale_h *
+        128^-0.5 * H^-0.5`` (may be negative).
+    pool_lens : int32/int64 ``[B, next_n]``: pools visible to each row (a verify row sees
+        the pools completed up to and including its own token); negative = 0.
+    page_table : int32/int64 ``[B, max_pages]``: request ``b``'s pool ``j`` is state
+        ``j % PAGE`` of page ``page_table[b, j // PAGE]``.
+    layout : ``"plain"`` / ``"preshuffle"`` (default from the platform).
+    fp8_dtype : format of the codes (default: ``q_fp8.dtype`` if fp8, else the platform's).
+    max_pools : output width (default ``max_pages * PAGE``); every ``pool_lens`` entry must
+        be ``<= min(max_pools, max_pages * PAGE)``.
+
+    Returns
+    -------
+    fp32 ``[B * next_n, max_pools]``: row ``b * next_n + t`` holds the logits of pools
+    ``j < pool_lens[b, t]`` and ``-inf`` after them (exact formulation: module docstring).
+    """
+    check_tensor("q_fp8", q_fp8, dtype=CODE_DTYPES, ndim=4, inner_contiguous=True)
+    device = q_fp8.device
+    batch, next_n, heads, hd = q_fp8.shape
+    if hd != HEAD_DIM:
+        raise ValueError(f"q_fp8 must have shape [B, next_n, H, {HEAD_DIM}], got {list(q_fp8.shape)}")
+    _check_heads("q_fp8", heads)
+    fp8_dtype = _code_format({"q_fp8": q_fp8}, fp8_dtype, device)
+    layout = resolve_layout(layout, device)
+    check_kv_cache(kv_cache, layout, device)
+    check_tensor("weights", weights, dtype=torch.float32, shape=(batch, next_n, heads), device=device)
+    check_tensor("pool_lens", pool_lens, dtype=INT_DTYPES, shape=(batch, next_n), device=device)
+    check_tensor("page_table", page_table, dtype=INT_DTYPES, ndim=2, device=device)
+    if page_table.shape[0] != batch:
+        raise ValueError(f"page_table must have shape [B={batch}, max_pages], got {list(page_table.shape)}")
+    num_pages, page = kv_cache.shape[:2]
+    covered = page_table.shape[1] * page
+    if max_pools is None:
+        max_pools = covered
+    if not isinstance(max_pools, int) or isinstance(max_pools, bool) or max_pools < 0:
+        raise ValueError(f"max_pools must be a non-negative int, got {max_pools!r}")
+    limit = min(max_pools, covered)
+    top = _max_value(pool_lens)
+    if top is not None and top > limit:
+        raise ValueError(f"pool_lens holds {top}, more than min(max_pools={max_pools}, max_pages*PAGE={covered})")
+    top = _max_value(page_table)
+    if top is not None and top >= num_pages:
+        raise ValueError(f"page_table holds page {top}, outside the cache (valid: 0..{num_pages - 1}, "
+                         "negative = none)")
+    if backend_for(device) == "torch":
+        return reference.paged_pool_logits(q_fp8.view(torch.uint8), kv_cache, weights, pool_lens, page_table,
+                                           layout, fp8_dtype, max_pools)
+    rows = batch * next_n
+    out = torch.empty((rows, max_pools), dtype=torch.float32, device=device)
+    if rows == 0 or max_pools == 0:
+        return out
+    if limit == 0:
+        return out.fill_(float("-inf"))
+    q8 = q_fp8.view(torch.uint8)
+    grid = (rows, triton.cdiv(max_pools, BLOCK_POOLS))
+    _paged_logits_kernel[grid](
+        q8, q8.stride(0), q8.stride(1), q8.stride(2), weights, weights.stride(0), weights.stride(1),
+        weights.stride(2), pool_lens, pool_lens.stride(0), pool_lens.stride(1),
+        page_table, page_table.stride(0), page_table.stride(1), kv_cache, kv_cache.view(torch.float32),
+        kv_cache.stride(0), num_pages, out, out.stride(0), max_pools, limit, next_n,
+        PAGE=page, BN=BLOCK_POOLS, H=heads, PRESHUFFLE=layout == "preshuffle",
+        FNUZ=fp8_dtype == torch.float8_e4m3fnuz, UNIT2=_unit2(fp8_dtype), enable_fp_fusion=False,
+    )
+    return out
+
+
+def ragged_pool_logits(q_fp8, k_codes, k_scale, weights, ks, ke, *, fp8_dtype=None):
+    """Prefill pooled fp8 logits of each query against a contiguous run of pools.
+
+    Parameters
+    ----------
+    q_fp8 : fp8 (or uint8 codes) ``[T, H, 128]``, H in {16, 32, 64}. Unit inner stride.
+    k_codes : fp8 (or uint8 codes) ``[N, 128]`` gathered pooled keys. Unit inner stride.
+    k_scale : fp32 ``[N]`` (or ``[N, 1]``) key scales.
+    weights : fp32 ``[T, H]`` folded head weights (may be negative).
+    ks, ke : int32/int64 ``[T]``: query ``t`` sees pools ``[ks[t], ke[t])``
+        (``0 <= ks``, ``ke <= N``; ``ks >= ke`` = none).
+    fp8_dtype : format of the codes (default: from the fp8 inputs, else the platform's).
+
+    Returns
+    -------
+    fp32 ``[T, N]``: logits inside each row's window, ``-inf`` outside (exact formulation:
+    module docstring).
+    """
+    check_tensor("q_fp8", q_fp8, dtype=CODE_DTYPES, ndim=3, inner_contiguous=True)
+    device = q_fp8.device
+    n_q, heads, hd = q_fp8.shape
+    if hd != HEAD_DIM:
+        raise ValueError(f"q_fp8 must have shape [T, H, {HEAD_DIM}], got {list(q_fp8.shape)}")
+    _check_heads("q_fp8", heads)
+    check_tensor("k_codes", k_codes, dtype=CODE_DTYPES, shape=(None, HEAD_DIM), device=device, inner_contiguous=True)
+    n_keys = k_codes.shape[0]
+    fp8_dtype = _code_format({"q_fp8": q_fp8, "k_codes": k_codes}, fp8_dtype, device)
+    check_tensor("k_scale", k_scale, dtype=torch.float32, device=device)
+    if tuple(k_scale.shape) not in ((n_keys,), (n_keys, 1)):
+        raise ValueError(f"k_scale must have shape [{n_keys}] or [{n_keys}, 1], got {list(k_scale.shape)}")
+    k_scale = k_scale.reshape(n_keys)
+    check_tensor("weights", weights, dtype=torch.float32, shape=(n_q, heads), device=device)
+    check_tensor("ks", ks, dtype=INT_DTYPES, shape=(n_q,), device=device)
+    check_tensor("ke", ke, dtype=INT_DTYPES, shape=(n_q,), device=device)
+    if n_q and range_checks_enabled():
+        lo, hi = int(ks.min()), int(ke.max())
+        if lo < 0:
+            raise ValueError(f"ks holds {lo}; pool windows start at 0 or later")
+        if hi > n_keys:
+            raise ValueError(f"ke holds {hi}, past the N = {n_keys} pools of k_codes")
+    if backend_for(device) == "torch":
+        return reference.ragged_pool_logits(q_fp8.view(torch.uint8), k_codes.view(torch.uint8), k_scale, weights,
+                                            ks, ke, fp8_dtype)
+    out = torch.empty((n_q, n_keys), dtype=torch.float32, device=device)
+    if n_q == 0 or n_keys == 0:
+        return out
+    q8, k8 = q_fp8.view(torch.uint8), k_codes.view(torch.uint8)
+    grid = (n_q, triton.cdiv(n_keys, BLOCK_POOLS))
+    _ragged_logits_kernel[grid](
+        q8, q8.stride(0), q8.stride(1), weights, weights.stride(0), weights.stride(1),
+        k8, k8.stride(0), k_scale, k_scale.stride(0), ks, ke, n_keys, out, out.stride(0),
+        BN=BLOCK_POOLS, H=heads, FNUZ=fp8_dtype == torch.float8_e4m3fnuz, UNIT2=_unit2(fp8_dtype),
+        enable_fp_fusion=False,
+    )
+    return out

@@ -1,0 +1,86 @@
+"""Query-side rotation and fp8 quantization (SPEC.md §2, last paragraph).
+
+``fwht128_quant_fp8`` rotates each 128-dim query row exactly like a pooled key
+(``bf16(FWHT128(q) * 128^-0.5)``) and quantizes it per row with the same ue8m0 scale rule
+and the platform fp8 format, through the shared ``_jit.rotate`` / ``_jit.quantize``
+helpers: identical bytes on every backend.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import reference
+from .._backend import backend_for
+from .._checks import check_tensor
+from ..layout import HEAD_DIM, fp8_max, resolve_fp8_dtype
+from . import _jit
+
+BLOCK_ROWS = 16
+
+
+@triton.jit
+def _fwht_quant_kernel(q_ptr, q_row_stride, codes_ptr, scale_ptr, n_rows,
+                       BR: tl.constexpr, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr, ROUND_SCALE: tl.constexpr):
+    # One program per BR rows: q [BR, 128] bf16 -> codes [BR, 128] uint8, scale [BR] fp32.
+    pid = tl.program_id(0).to(tl.int64)
+    r = pid * BR + tl.arange(0, BR)
+    d = tl.arange(0, 128)
+    live = r < n_rows
+    x = tl.load(q_ptr + r[:, None] * q_row_stride + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    codes, scale = _jit.quantize(_jit.rotate(x, BR), FP8_MAX, FNUZ, ROUND_SCALE)  # [BR, 128], [BR]
+    tl.store(codes_ptr + r[:, None] * 128 + d[None, :], codes, mask=live[:, None])
+    tl.store(scale_ptr + r, scale, mask=live)
+
+
+def launch_fwht_quant(q2d, codes, scale, fp8_dtype, round_scale=True):
+    """Launch ``_fwht_quant_kernel``: ``q2d [rows, 128]`` bf16 (unit inner stride) into
+    ``codes [rows, 128]`` uint8 and ``scale [rows]`` fp32 (both contiguous)."""
+    rows = q2d.shape[0]
+    if rows == 0:
+        return
+    _fwht_quant_kernel[(triton.cdiv(rows, BLOCK_ROWS),)](
+        q2d, q2d.stride(0), codes, scale, rows,
+        BR=BLOCK_ROWS, FP8_MAX=fp8_max(fp8_dtype), FNUZ=fp8_dtype == torch.float8_e4m3fnuz,
+        ROUND_SCALE=round_scale, enable_fp_fusion=False,
+    )
+
+
+def fwht128_quant_fp8(q, fp8_dtype=None, round_scale=True):
+    """Rotate query rows (Hadamard-128) and quantize each row to fp8 with one fp32 scale.
+
+    Parameters
+    ----------
+    q : bf16 ``[rows, 128]`` or ``[..., 128]`` (any strides; copied only if the rows cannot be
+        addressed with one row stride).
+    fp8_dtype : ``torch.float8_e4m3fn`` or ``torch.float8_e4m3fnuz`` (default: the
+        platform's, e4m3fnuz on gfx942 only). Its largest finite value is the FP8_MAX.
+    round_scale : power-of-two (ue8m0) scales when True (default), else ``amax / FP8_MAX``.
+
+    Returns
+    -------
+    q_fp8 : ``fp8_dtype`` ``[..., 128]`` (the leading dims of ``q``), codes of
+        ``clamp(bf16(FWHT128(q) * 128^-0.5) / scale, ±FP8_MAX)`` rounded to nearest even.
+    q_scale : fp32 ``[..., 1]``: ``2^ceil(log2(max(amax, 1e-4) / FP8_MAX))`` per row.
+    """
+    check_tensor("q", q, dtype=torch.bfloat16)
+    if q.ndim < 1 or q.shape[-1] != HEAD_DIM:
+        raise ValueError(f"q must have shape [..., {HEAD_DIM}], got {list(q.shape)}")
+    if not isinstance(round_scale, bool):
+        raise TypeError(f"round_scale must be a bool, got {type(round_scale).__name__}")
+    device = q.device
+    fp8_dtype = resolve_fp8_dtype(fp8_dtype, device)
+    lead = tuple(q.shape[:-1])
+    q2d = q.reshape(-1, HEAD_DIM)
+    if q2d.stride(1) != 1:
+        q2d = q2d.contiguous()
+    if backend_for(device) == "torch":
+        codes, scale = reference.fwht128_quant_fp8(q2d, fp8_dtype, round_scale)
+        return codes.reshape(*lead, HEAD_DIM), scale.reshape(*lead, 1)
+    rows = q2d.shape[0]
+    codes = torch.empty((rows, HEAD_DIM), dtype=torch.uint8, device=device)
+    scale = torch.empty((rows,), dtype=torch.float32, device=device)
+    launch_fwht_quant(q2d, codes, scale, fp8_dtype, round_scale)
+    return codes.view(fp8_dtype).reshape(*lead, HEAD_DIM), scale.reshape(*lead, 1)

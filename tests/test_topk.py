@@ -1,0 +1,144 @@
+"""select_pools: deterministic top-k over pools (SPEC.md §5).
+
+Both backends against a plain-Python oracle (sort by score descending, ties to the lower
+id, NaN last, -0.0 == +0.0) and against ``kpool.reference``: exact ties on purpose,
+all-visible rows in id order, -1 padding, rows longer than one kernel block, arbitrary
+fp32 bit patterns, strided rows, validation.
+"""
+
+import math
+
+import pytest
+import torch
+
+from kpool import reference
+from kpool.ops.topk import BLOCK_COLS, select_pools
+
+
+def oracle(logits, pool_lens, select_k):
+    """Python-only selection rule, row by row."""
+    out = []
+    for row, n in zip(logits.cpu().tolist(), pool_lens.cpu().tolist()):
+        n = max(0, min(int(n), len(row)))
+        if n <= select_k:
+            ids = list(range(n))
+        else:
+            ids = sorted(range(n), key=lambda j: (math.isnan(row[j]), 0.0 if math.isnan(row[j]) else -row[j], j))
+            ids = ids[:select_k]
+        out.append(ids + [-1] * (select_k - len(ids)))
+    return torch.tensor(out, dtype=torch.int32).reshape(len(out), select_k)
+
+
+def check(logits, pool_lens, select_k, device):
+    got = select_pools(logits.to(device), pool_lens.to(device), select_k)
+    assert got.dtype == torch.int32 and got.shape == (logits.shape[0], select_k)
+    want = oracle(logits, pool_lens, select_k)
+    assert torch.equal(got.cpu(), want), f"first bad row: {(got.cpu() != want).any(1).nonzero()[0].item()}"
+    assert torch.equal(reference.select_pools(logits.cpu(), pool_lens.cpu(), select_k), want)
+    return got.cpu()
+
+
+@pytest.mark.parametrize("select_k", [1, 7, 40])
+def test_random_rows_with_many_ties(backend, device, select_k):
+    g = torch.Generator().manual_seed(select_k)
+    n = BLOCK_COLS + 300  # two kernel blocks
+    logits = torch.randint(-6, 6, (6, n), generator=g).float() * 0.25  # many exact ties
+    logits[1] = torch.randn(n, generator=g)  # no ties
+    logits[2, ::3] = float("-inf")
+    pool_lens = torch.tensor([n, n, 900, select_k, select_k + 1, 0], dtype=torch.int32)
+    check(logits, pool_lens, select_k, device)
+
+
+def test_ties_resolve_to_lower_id(backend, device):
+    logits = torch.zeros(3, 50)
+    logits[0, [3, 9, 17, 30, 44]] = 5.0  # 5 tied winners, select 3 -> the 3 lowest ids
+    logits[1] = 1.0  # everything tied -> 0, 1, 2, ...
+    logits[2, [40, 41]] = 2.0
+    logits[2, [7, 2, 33]] = 1.0  # ranked 40, 41 (score 2), then 2, 7 (score 1, lower ids first)
+    got = check(logits, torch.tensor([50, 50, 50]), 4, device)
+    assert got[0].tolist() == [3, 9, 17, 30]
+    assert got[1].tolist() == [0, 1, 2, 3]
+    assert got[2].tolist() == [40, 41, 2, 7]
+
+
+def test_all_visible_in_order_and_padding(backend, device):
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 20, generator=g)
+    got = check(logits, torch.tensor([8, 0, -3, 20], dtype=torch.int64), 8, device)
+    assert got[0].tolist() == list(range(8))  # exactly select_k visible: in id order, not by score
+    assert got[1].tolist() == [-1] * 8 and got[2].tolist() == [-1] * 8
+    assert logits[3, got[3].long()].tolist() == sorted(logits[3].tolist(), reverse=True)[:8]  # by score
+    # fewer columns than select_k: every row in order, -1 padded
+    got = check(logits[:, :5], torch.tensor([5, 3, 0, 5]), 8, device)
+    assert got[0].tolist() == [0, 1, 2, 3, 4, -1, -1, -1]
+
+
+def test_nan_last_inf_and_signed_zero(backend, device):
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor([[nan, -inf, -0.0, 0.0, -1.0, nan, inf, -0.0, 3.0, nan],
+                           [nan, nan, nan, nan, nan, -inf, nan, nan, nan, nan]])
+    got = check(logits, torch.tensor([10, 10]), 8, device)
+    # inf, 3, then the zeros (-0.0 == +0.0: id order), -1, -inf, then NaNs by id
+    assert got[0].tolist() == [6, 8, 2, 3, 7, 4, 1, 0]
+    assert got[1].tolist() == [5, 0, 1, 2, 3, 4, 6, 7]
+
+
+def test_arbitrary_bit_patterns(backend, device):
+    """Random fp32 bit patterns (denormals, huge values, infinities, NaN payloads)."""
+    g = torch.Generator().manual_seed(9)
+    bits = torch.randint(-2**31, 2**31, (3, 300), generator=g, dtype=torch.int64).to(torch.int32)
+    logits = bits.view(torch.float32).clone()
+    logits[1, :150] = logits[1, 150:]  # every value twice
+    check(logits, torch.tensor([300, 300, 123]), 33, device)
+
+
+def test_strided_rows_and_selection_property(backend, device):
+    g = torch.Generator().manual_seed(11)
+    wide = torch.randint(0, 40, (5, 256), generator=g).float()
+    logits = wide[:, 16:216]  # row stride 256
+    pool_lens = torch.tensor([200, 150, 64, 65, 199], dtype=torch.int32)
+    got = check(logits, pool_lens, 64, device)
+    for r in range(5):  # every chosen pool scores >= every visible pool left out
+        n = int(pool_lens[r])
+        if n <= 64:
+            continue
+        chosen = got[r].long()
+        rest = torch.ones(n, dtype=torch.bool)
+        rest[chosen] = False
+        assert float(logits[r, chosen].min()) >= float(logits[r, :n][rest].max())
+
+
+def test_deterministic(backend, device):
+    g = torch.Generator().manual_seed(13)
+    logits = torch.randint(0, 3, (2, 700), generator=g).float().to(device)
+    lens = torch.full((2,), 700, dtype=torch.int32, device=device)
+    a = select_pools(logits, lens, 100)
+    b = select_pools(logits, lens, 100)
+    assert torch.equal(a, b)
+
+
+def test_pool_lens_past_n(backend, device, monkeypatch):
+    logits = torch.arange(12.0).reshape(2, 6).to(device)
+    with pytest.raises(ValueError, match="pool_lens"):
+        select_pools(logits, torch.tensor([7, 6], device=device), 3)
+    monkeypatch.setenv("KPOOL_CHECK", "0")  # unchecked: clamped to N on the device
+    got = select_pools(logits, torch.tensor([7, 6], device=device), 3).cpu()
+    assert got.tolist() == [[5, 4, 3], [5, 4, 3]]
+
+
+def test_validation(backend, device):
+    logits = torch.zeros(2, 6, device=device)
+    lens = torch.tensor([3, 4], device=device)
+    with pytest.raises(TypeError, match="logits"):
+        select_pools(logits.double(), lens, 2)
+    with pytest.raises(ValueError, match="logits"):
+        select_pools(logits[0], lens, 2)
+    with pytest.raises(ValueError, match="logits"):
+        select_pools(torch.zeros(6, 2, device=device).t(), lens, 2)
+    with pytest.raises(ValueError, match="pool_lens"):
+        select_pools(logits, lens[:1], 2)
+    with pytest.raises(TypeError, match="pool_lens"):
+        select_pools(logits, lens.float(), 2)
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="select_k"):
+            select_pools(logits, lens, bad)
