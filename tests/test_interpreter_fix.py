@@ -74,6 +74,23 @@ if INTERPRETING:
             nan = torch.isnan(x)
             assert torch.equal(got[~nan], want[~nan]), tt
             assert torch.isnan(got.view(dt)[nan].float()).all()
+        # bf16 and fp16 sources (every bit pattern) -> fp8, and every fp8 code back up to fp32
+        b16 = torch.arange(65536, dtype=torch.int32).to(torch.int16)
+        for tt_src, src in ((tl.bfloat16, torch.bfloat16), (tl.float16, torch.float16)):
+            xs = b16.view(src)
+            for tt, dt in ((tl.float8e4nv, torch.float8_e4m3fn), (tl.float8e4b8, torch.float8_e4m3fnuz)):
+                got = torch.from_numpy(np.asarray(conv(b16.numpy().view(np.uint16), tt_src, tt, rtne)).copy())
+                m = torch.finfo(dt).max
+                want = torch.clamp(xs.float(), -m, m).to(dt).view(torch.uint8)
+                nan = torch.isnan(xs)
+                assert torch.equal(got[~nan], want[~nan]), (tt_src, tt)
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+        for tt, dt in ((tl.float8e4nv, torch.float8_e4m3fn), (tl.float8e4b8, torch.float8_e4m3fnuz),
+                       (tl.float8e5, torch.float8_e5m2)):
+            up = torch.from_numpy(np.asarray(conv(codes.numpy(), tt, tl.float32, None)).view(np.float32).copy())
+            want = codes.view(dt).float()
+            assert torch.equal(torch.isnan(up), torch.isnan(want)), tt
+            assert torch.equal(up[~torch.isnan(up)], want[~torch.isnan(want)]), tt
         # fp32 -> bf16 for random fp32 bit patterns (RNE, not truncation)
         g = torch.Generator().manual_seed(0)
         bits = torch.randint(-2**31, 2**31 - 1, (1 << 16,), generator=g, dtype=torch.int64).to(torch.int32)
