@@ -1,10 +1,10 @@
 """Decode / speculative-verify step: complete pools from the ring, then stash every token.
 
-One program per request handles its ``next_n`` tokens at once, with the semantics of the
-in-order loop (completion read, then stash): the slot ``s < P-1`` of a pool completed by
-token ``t`` reads the latest earlier token of the same step stashed at that ring slot,
-or the ring as it was before the step. All ring reads precede all ring writes (barrier),
-so no token waits on another's store.
+One program per request handles its ``next_n`` tokens with the semantics of the in-order
+loop (completion read, then stash): the slot ``s < P-1`` of a pool completed by token
+``t`` reads the latest earlier token of the same step stashed at that ring slot, or the
+ring as it was before the step. All ring reads precede all ring writes (barrier), so no
+token waits on another's store, and only pool-completing tokens pay for a compression.
 """
 
 from __future__ import annotations
@@ -22,16 +22,53 @@ from . import _jit
 
 
 @triton.jit
-def _slot_source(t, pos, blk, stash, s, P: tl.constexpr, RING: tl.constexpr):
-    # For each token t completing at pos[t]: the step row holding slot s's token (-1: the ring).
-    if s == P - 1:
-        src = t
-    else:
-        want = (pos - (P - 1) + s) % RING  # [NB]
-        cand = (t[None, :] < t[:, None]) & stash[None, :] & (blk[None, :] == blk[:, None]) \
-            & ((pos % RING)[None, :] == want[:, None])
-        src = tl.max(tl.where(cand, t[None, :], -1), axis=1)
-    return src
+def _pick(t, j, v):
+    # v[j] of a [NB] vector, as a scalar
+    return tl.sum(tl.where(t == j, v, 0))
+
+
+@triton.jit
+def _complete_pool(kv_ptr, kv_f32_ptr, page_stride, tail_ptr, tail_head, key_ptr, key_sb, key_st,
+                   g_ptr, g_sb, g_st, ape_ptr, ape_stride, b, j, t, pos, blk, stash, loc, ring_base, d,
+                   P: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr, PRESHUFFLE: tl.constexpr,
+                   FP8_MAX: tl.constexpr, FNUZ: tl.constexpr, ROUND_SCALE: tl.constexpr):
+    # Compress the pool completed by step row j and write it. Slot s < P-1 (position
+    # pos[j] - (P-1) + s) comes from the latest earlier row of this step stashed at that ring
+    # slot of the same block, else from the ring as it was before the step; slot P-1 is row j.
+    one = tl.zeros((1,), tl.int64)
+    live = one == 0
+    pj = _pick(t, j, pos)
+    bj = _pick(t, j, blk)
+    base = _pick(t, j, ring_base)
+    top = tl.full((1, 128), float("-inf"), tl.float32)
+    for s in tl.static_range(P):
+        want = (pj - (P - 1) + s) % RING
+        if s == P - 1:
+            src = one + j
+        else:
+            cand = (t < j) & stash & (blk == bj) & (pos % RING == want)
+            src = one + tl.max(tl.where(cand, t, -1))
+        g = _jit.load_slot(g_ptr, one + b * g_sb + tl.maximum(src, 0) * g_st, tail_ptr,
+                           one + base + want * 128 + tail_head, src < 0, live, d, True)
+        top = tl.maximum(top, _jit.slot_logit(g, ape_ptr, ape_stride, s, d))
+    acc = tl.zeros((1, 128), tl.float32)
+    den = tl.zeros((1, 128), tl.float32)
+    for s in tl.static_range(P):
+        want = (pj - (P - 1) + s) % RING
+        if s == P - 1:
+            src = one + j
+        else:
+            cand = (t < j) & stash & (blk == bj) & (pos % RING == want)
+            src = one + tl.max(tl.where(cand, t, -1))
+        in_ring = src < 0
+        g = _jit.load_slot(g_ptr, one + b * g_sb + tl.maximum(src, 0) * g_st, tail_ptr,
+                           one + base + want * 128 + tail_head, in_ring, live, d, True)
+        k = _jit.load_slot(key_ptr, one + b * key_sb + tl.maximum(src, 0) * key_st, tail_ptr,
+                           one + base + want * 128, in_ring, live, d, True)
+        acc, den = _jit.pool_accumulate(acc, den, _jit.slot_logit(g, ape_ptr, ape_stride, s, d), top, k)
+    codes, scale = _jit.quantize(_jit.rotate(_jit.pool_finish(acc, den), 1), FP8_MAX, FNUZ, ROUND_SCALE)
+    _jit.store_entries(kv_ptr, kv_f32_ptr, page_stride, one + _pick(t, j, loc), live, codes, scale, d,
+                       PAGE, PRESHUFFLE)
 
 
 @triton.jit
@@ -57,34 +94,21 @@ def _decode_update_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
     ring_base = blk * tail_block_stride
     key_row = b * key_sb + t * key_st
     g_row = b * g_sb + t * g_st
-    # ---- completions: read the ring as before the step, or this step's earlier tokens
-    top = tl.full((NB, 128), float("-inf"), tl.float32)
-    for s in tl.static_range(P):
-        src = _slot_source(t, pos, blk, stash, s, P, RING)
-        ring_row = ring_base + ((pos - (P - 1) + s) % RING) * 128
-        g = _jit.load_slot(g_ptr, b * g_sb + tl.maximum(src, 0) * g_st, tail_ptr, ring_row + tail_head,
-                           src < 0, done, d, True)
-        top = tl.maximum(top, _jit.slot_logit(g, ape_ptr, ape_stride, s, d))
-    acc = tl.zeros((NB, 128), tl.float32)
-    den = tl.zeros((NB, 128), tl.float32)
-    for s in tl.static_range(P):
-        src = _slot_source(t, pos, blk, stash, s, P, RING)
-        ring_row = ring_base + ((pos - (P - 1) + s) % RING) * 128
-        g = _jit.load_slot(g_ptr, b * g_sb + tl.maximum(src, 0) * g_st, tail_ptr, ring_row + tail_head,
-                           src < 0, done, d, True)
-        k = _jit.load_slot(key_ptr, b * key_sb + tl.maximum(src, 0) * key_st, tail_ptr, ring_row,
-                           src < 0, done, d, True)
-        acc, den = _jit.pool_accumulate(acc, den, _jit.slot_logit(g, ape_ptr, ape_stride, s, d), top, k)
-    x = _jit.pool_finish(acc, den)
-    codes, scale = _jit.quantize(_jit.rotate(x, NB), FP8_MAX, FNUZ, ROUND_SCALE)
-    _jit.store_entries(kv_ptr, kv_f32_ptr, page_stride, loc, done, codes, scale, d, PAGE, PRESHUFFLE)
+    # completions (at most ceil(next_n / P) per request): each reads the ring as it was
+    # before the step or this step's earlier tokens, so all ring reads precede the stash
+    for j in range(0, next_n):
+        if _pick(t, j, done.to(tl.int32)) != 0:
+            _complete_pool(kv_ptr, kv_f32_ptr, page_stride, tail_ptr, tail_head, key_ptr, key_sb, key_st,
+                           g_ptr, g_sb, g_st, ape_ptr, ape_stride, b, j, t, pos, blk, stash, loc, ring_base, d,
+                           P, RING, PAGE, PRESHUFFLE, FP8_MAX, FNUZ, ROUND_SCALE)
     tl.debug_barrier()
-    # ---- stash: the last token of the step aimed at each (block, ring slot) wins
+    # stash: the last token of the step aimed at each (block, ring slot) wins
     slot = pos % RING
     later = (t[None, :] > t[:, None]) & stash[None, :] & (blk[None, :] == blk[:, None]) \
         & (slot[None, :] == slot[:, None])
     keep = stash & (tl.max(later.to(tl.int32), axis=1) == 0)
     _jit.copy_rows_to_ring(tail_ptr, tail_head, ring_base + slot * 128, key_ptr, key_row, g_ptr, g_row, keep, d)
+
 
 def kpool_decode_update_and_maybe_write_cache_batched(kv_cache, tail_kv_cache, tail_slot_mapping, key, slot_score,
                                                       ape, slot_mapping, positions, pool_size, head_dim=HEAD_DIM,
@@ -140,6 +164,6 @@ def kpool_decode_update_and_maybe_write_cache_batched(kv_cache, tail_kv_cache, t
         positions, *positions.stride(), next_n,
         P=pool_size, RING=ring, PAGE=kv_cache.shape[1], NB=triton.next_power_of_2(next_n),
         PRESHUFFLE=layout == "preshuffle", FP8_MAX=fp8_max(fp8_dtype), FNUZ=fp8_dtype == torch.float8_e4m3fnuz,
-        ROUND_SCALE=round_scale, enable_fp_fusion=False,
+        ROUND_SCALE=round_scale, num_warps=1, enable_fp_fusion=False,
     )
     return None
