@@ -176,6 +176,7 @@ def test_exp_exact(device):
     exact = torch.exp(x.to(torch.float64))
     rel = ((want.to(torch.float64) - exact).abs() / exact).max().item()
     assert rel <= 4e-6, f"exp_exact relative error {rel:.3g}"
+    assert torch.equal(want[x == 0], torch.ones_like(want[x == 0]))  # the max slot weighs exactly 1
 
 
 # --- (d) quant scale ----------------------------------------------------------------------
