@@ -56,16 +56,33 @@ def rows_view(x, device, pad=0):
 
 
 def oracle_seed(tail, key, gate, tslot, kpool):
-    """Per token ``i`` with a valid tail slot ``t``: copy it to block ``t // RING``, ring slot
-    ``t % RING``, unless token ``i + kpool`` exists and has a valid slot in the same block."""
+    """Each block's last ``kpool`` rows with a valid tail slot ``t`` (scanning from the end of
+    the batch) are copied to block ``t // RING``, ring slot ``t % RING``."""
     ring = tail.shape[2]
     n_ts = tail.shape[0] * ring
     ts = [int(v) for v in tslot.tolist()]
-    n = len(ts)
+    taken = {}
+    for i in reversed(range(len(ts))):
+        t = ts[i]
+        if not 0 <= t < n_ts:
+            continue
+        taken[t // ring] = taken.get(t // ring, 0) + 1
+        if taken[t // ring] > kpool:
+            continue
+        tail[t // ring, 0, t % ring] = key[i]
+        tail[t // ring, 1, t % ring] = gate[i]
+
+
+def oracle_seed_row_rule(tail, key, gate, tslot, kpool):
+    """The seed's rule: token ``i`` is copied unless token ``i + kpool`` has a valid slot in the
+    same block (equal to ``oracle_seed`` when no padding sits inside a request)."""
+    ring = tail.shape[2]
+    n_ts = tail.shape[0] * ring
+    ts = [int(v) for v in tslot.tolist()]
     for i, t in enumerate(ts):
         if not 0 <= t < n_ts:
             continue
-        if i + kpool < n and 0 <= ts[i + kpool] < n_ts and ts[i + kpool] // ring == t // ring:
+        if i + kpool < len(ts) and 0 <= ts[i + kpool] < n_ts and ts[i + kpool] // ring == t // ring:
             continue
         tail[t // ring, 0, t % ring] = key[i]
         tail[t // ring, 1, t % ring] = gate[i]
@@ -200,7 +217,7 @@ def test_seed_padded_tail_stride_dense_location_untouched(pads, backend, device)
 
 def test_seed_ring_larger_than_pool(backend, device):
     """RING = 2P: a request of 2P+3 tokens in one block seeds only its last P tokens (the
-    tokens whose row P ahead is in the same block are skipped), at slots pos % RING; the
+    earlier tokens of its block are skipped), at slots pos % RING; the
     other P ring slots keep their bytes."""
     P, ring = 4, 8
     batch = Batch([(0, 5, 2 * P + 3), (2, 1, 3)], ring, seed=4)
@@ -217,13 +234,26 @@ def test_seed_ring_larger_than_pool(backend, device):
 @pytest.mark.parametrize("where", ["start", "middle", "end", "between-requests"])
 def test_seed_tslot_padding(where, backend, device):
     """-1 tail slots (padding) at the start, in the middle of a request, at the end and
-    between requests never form an address; a -1 row ``P`` ahead counts as another block."""
+    between requests never form an address; each request's last P valid tokens are seeded."""
     P, ring = 4, 4
     pad_before, n_end = {"start": ([0, 0], 0), "middle": ([3, 5], 0), "end": ([], 4),
                          "between-requests": ([6, 6, 6], 1)}[where]
     batch = Batch([(0, 0, 6), (2, 3, 5)], ring, seed=5, pad_before=pad_before, n_pad_end=n_end)
     assert (batch.tslot < 0).sum() == len(pad_before) + n_end
     check_seed(batch, P, ring, device, 3)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_seed_rule_equals_row_rule_without_interior_padding(seed):
+    """Without padding inside a request, "each block's last P valid rows" is the seed's rule
+    "row i + P is in another block" (so the seed-compatible function keeps the seed's bytes)."""
+    P, ring = 4, 8
+    batch = Batch([(0, 3, 9), (2, 0, 2), (1, 5, 14)], ring, seed=seed, pad_before=[9, 11], n_pad_end=2)
+    a = torch.zeros(3, 2, ring, 128, dtype=torch.bfloat16)
+    b = a.clone()
+    oracle_seed(a, batch.key, batch.gate, batch.tslot, P)
+    oracle_seed_row_rule(b, batch.key, batch.gate, batch.tslot, P)
+    assert torch.equal(a, b)
 
 
 def test_seed_request_across_program_boundary(backend, device):
@@ -420,10 +450,6 @@ def test_random_prefill_batches(data, backend, device):
     assert_bytes_equal(other, got, "seed_requests vs kpool_seed_tail_cache")
 
 
-@pytest.mark.xfail(strict=True, reason="reported to the lead: with a padding row inside a request longer than "
-                   "RING, the row rule seeds a token outside the request's last P (pos 7) into the slot of one "
-                   "inside it (pos 23), and skips pos 8; torch and triton then also disagree on which duplicate "
-                   "write wins")
 def test_seed_padding_inside_a_long_request(backend, device):
     """A request of 24 tokens (P = RING = 16) with one padding row before its last token:
     its last 16 valid tokens (positions 8..23) must be in the ring and nothing else of it."""

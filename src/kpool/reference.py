@@ -81,23 +81,23 @@ def decode_update(kv_cache, tail, tail_slot_mapping, key, slot_score, ape, slot_
 
 
 def seed_tail(tail, key, gate_score, tslot, kpool):
-    """Reference of ``kpool_seed_tail_cache``: copy each request's last ``kpool`` tokens.
+    """Reference of ``kpool_seed_tail_cache``: copy each block's last ``kpool`` valid tokens.
 
-    Token ``i`` (with ``tslot[i] >= 0``) is copied to ring slot ``tslot % RING`` of block
-    ``tslot // RING`` unless token ``i + kpool`` exists and has a valid tail slot in the
-    same block. Slots past the tail buffer are skipped.
+    A token is valid when ``0 <= tslot < num_blocks * RING``; it goes to ring slot
+    ``tslot % RING`` of block ``tslot // RING``. Padding (negative) may sit anywhere.
     """
     num_blocks, _, ring, _ = tail.shape
-    n = tslot.shape[0]
-    ts = tslot.to(torch.int64)
-    ahead = torch.full_like(ts, -1)
-    ahead[: max(n - kpool, 0)] = ts[kpool:]
-    same_block = (ahead >= 0) & (torch.div(ahead, ring, rounding_mode="floor") == torch.div(ts, ring, rounding_mode="floor"))
-    take = (ts >= 0) & (ts < num_blocks * ring) & ~same_block
-    idx = take.nonzero().flatten()
-    block, slot = ts[idx] // ring, ts[idx] % ring
-    tail[block, 0, slot] = key[idx]
-    tail[block, 1, slot] = gate_score[idx]
+    seen: dict = {}
+    ts = tslot.tolist()
+    for i in range(len(ts) - 1, -1, -1):
+        t = ts[i]
+        if not 0 <= t < num_blocks * ring:
+            continue
+        block = t // ring
+        seen[block] = seen.get(block, 0) + 1
+        if seen[block] <= kpool:
+            tail[block, 0, t % ring] = key[i]
+            tail[block, 1, t % ring] = gate_score[i]
 
 
 def seed_requests(tail, key, gate, meta):

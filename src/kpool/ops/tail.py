@@ -22,19 +22,14 @@ BLOCK_TOKENS = 64
 
 
 @triton.jit
-def _seed_tail_kernel(tail_ptr, tail_block_stride, tail_head, num_ring_slots,
-                      key_ptr, key_stride, g_ptr, g_stride, ts_ptr, n_tokens,
-                      KPOOL: tl.constexpr, RING: tl.constexpr, BT: tl.constexpr):
-    # BT tokens per program; token i is seeded unless token i + KPOOL sits in the same block.
+def _seed_tail_kernel(tail_ptr, tail_block_stride, tail_head, key_ptr, key_stride, g_ptr, g_stride,
+                      ts_ptr, take_ptr, n_tokens, RING: tl.constexpr, BT: tl.constexpr):
+    # BT tokens per program; token i is copied where take[i] (see seed_rows)
     i = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     d = tl.arange(0, 128)
     live = i < n_tokens
-    ts = tl.load(ts_ptr + i, mask=live, other=-1).to(tl.int64)
-    ahead = tl.load(ts_ptr + i + KPOOL, mask=live & (i + KPOOL < n_tokens), other=-1).to(tl.int64)
-    valid = live & (ts >= 0) & (ts < num_ring_slots)
-    ts = tl.where(valid, ts, 0)
-    same_block = (ahead >= 0) & (tl.where(ahead >= 0, ahead, 0) // RING == ts // RING)
-    take = valid & ~same_block
+    take = live & (tl.load(take_ptr + i, mask=live, other=0) != 0)
+    ts = tl.where(take, tl.load(ts_ptr + i, mask=take, other=0).to(tl.int64), 0)
     dst = (ts // RING) * tail_block_stride + (ts % RING) * 128
     _jit.copy_rows_to_ring(tail_ptr, tail_head, dst, key_ptr, i * key_stride, g_ptr, i * g_stride, take, d)
 
@@ -58,6 +53,25 @@ def _seed_requests_kernel(tail_ptr, tail_block_stride, tail_head, key_ptr, key_s
                       g_ptr, (end_row - back) * g_stride, take, d)
 
 
+def seed_rows(tslot, ring, num_ring_slots, kpool):
+    """bool ``[n]``: the rows to seed, each block's last ``kpool`` valid rows (device ops, no sync).
+
+    A row is valid when ``0 <= tslot < num_ring_slots``; its block is ``tslot // RING``.
+    Padding may sit anywhere, also inside a request.
+    """
+    ts = tslot.to(torch.int64)
+    n = ts.numel()
+    valid = (ts >= 0) & (ts < num_ring_slots)
+    block = torch.where(valid, torch.div(ts, ring, rounding_mode="floor"), num_ring_slots)
+    idx = torch.arange(n, device=ts.device)
+    order = torch.argsort(block * n + (n - 1 - idx))  # grouped by block, latest row first
+    grouped = block[order]
+    rank = idx - torch.searchsorted(grouped, grouped)  # 0 for a block's latest valid row
+    take = torch.empty_like(valid)
+    take[order] = valid[order] & (rank < kpool)
+    return take
+
+
 def kpool_seed_tail_cache(tail_kv_cache, key, gate_score, tslot, kpool, head_dim=HEAD_DIM):
     """Seed each request's tail ring with its last ``kpool`` tokens of a prefill batch, in place.
 
@@ -66,8 +80,9 @@ def kpool_seed_tail_cache(tail_kv_cache, key, gate_score, tslot, kpool, head_dim
     tail_kv_cache : bf16 ``[num_blocks, 2, RING, 128]`` (padded block stride allowed).
     key, gate_score : bf16 ``[n_tokens, 128]`` (unit inner stride).
     tslot : int32/int64 ``[n_tokens]`` token-granular ring slots ``block*RING + pos % RING``;
-        negative = padding. Token ``i`` is copied unless token ``i + kpool`` has a valid slot
-        in the same block (so every request's trailing ``kpool`` tokens are seeded).
+        negative = padding, allowed between requests but not inside one (ValueError). Token
+        ``i`` is copied unless token ``i + kpool`` has a valid slot in the same block, so every
+        request's trailing ``kpool`` tokens are seeded.
     kpool : P.
     """
     check_head_dim(head_dim)
@@ -85,11 +100,12 @@ def kpool_seed_tail_cache(tail_kv_cache, key, gate_score, tslot, kpool, head_dim
         return None
     if backend_for(device) == "torch":
         return reference.seed_tail(tail_kv_cache, key, gate_score, tslot, kpool)
-    tslot = tslot.contiguous()
+    ring_slots = tail_kv_cache.shape[0] * ring
+    take = seed_rows(tslot, ring, ring_slots, kpool)
     _seed_tail_kernel[(triton.cdiv(n, BLOCK_TOKENS),)](
-        tail_kv_cache, tail_kv_cache.stride(0), tail_kv_cache.stride(1), tail_kv_cache.shape[0] * ring,
-        key, key.stride(0), gate_score, gate_score.stride(0), tslot, n,
-        KPOOL=kpool, RING=ring, BT=BLOCK_TOKENS,
+        tail_kv_cache, tail_kv_cache.stride(0), tail_kv_cache.stride(1),
+        key, key.stride(0), gate_score, gate_score.stride(0), tslot.contiguous(), take, n,
+        RING=ring, BT=BLOCK_TOKENS,
     )
     return None
 
