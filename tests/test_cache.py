@@ -1,0 +1,814 @@
+"""KPoolCache: random serving schedules, split invariance, misuse, metadata formulas, input forms.
+
+The tests keep their OWN model of every live request (its committed keys / gates, the pages
+and ring block it was given, its last step) and check the cache against it after every step:
+
+* ``pooled_keys(r)`` equals ``numerics.compress_pools`` of r's committed complete pools, byte
+  for byte, and the same bytes sit at the pool's slot when read through an independent
+  implementation of SPEC §3's byte layout (``_entry_offsets`` below);
+* r's ring block holds r's committed tokens of its incomplete pool;
+* no byte of ``kv_cache`` / ``tail`` changed except the entries / ring slots the step's
+  metadata says it wrote, and those belong to the step's requests (their pages / block);
+* the step's metadata follows the formulas of ``kpool.cache``'s module docstring.
+
+Caches start filled with random bytes (kv_cache and ring), so a pool built from a ring slot
+that was never written, or from a rolled-back draft, fails. Drafts that get rejected carry
+fresh random tokens, different from the ones later accepted at the same positions.
+
+Chunk lengths: a prefill chunk of 0 tokens is allowed; it registers a new request (length 0)
+or is a no-op for an existing one (the random schedules use it; decode then starts at 0).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis.control import currently_in_test_context
+from hypothesis import strategies as st
+
+from kpool import numerics
+from kpool.cache import CacheCapacityError, KPoolCache
+
+from _util import assert_bytes_equal, random_bytes_like
+
+D = 128
+ENTRY = 132
+FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+LAYOUTS = ("plain", "preshuffle")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# Random schedules per (P, max_spec_tokens): 2 * 3 * (30 + 4) = 204 in all.
+EXAMPLES = {"torch": 30, "triton": 4}
+STEPS = {"torch": (4, 14), "triton": (4, 6)}  # steps per schedule (bounds)
+
+
+# --- independent model of the addressing (SPEC §3), not kpool.layout ---------------------
+
+def ring_of(pool, spec):
+    """Smallest ``P * 2^k`` holding ``P + spec`` tokens."""
+    ring = pool
+    while ring < pool + spec:
+        ring *= 2
+    return ring
+
+
+def _entry_offsets(locs, page, layout):
+    """Byte offsets ``[n, 132]`` (128 key bytes, 4 scale bytes) of flat slots ``locs`` in a dense cache."""
+    locs = torch.as_tensor(locs, dtype=torch.int64).reshape(-1, 1)
+    pg, s = locs // page, locs % page
+    base = pg * (page * ENTRY)
+    d = torch.arange(D, dtype=torch.int64)[None, :]
+    if layout == "plain":
+        key = s * D + d
+    else:
+        key = (s // 16) * 2048 + (d // 16) * 256 + (s % 16) * 16 + d % 16
+    scale = page * D + s * 4 + torch.arange(4, dtype=torch.int64)[None, :]
+    return torch.cat((base + key, base + scale), dim=1)
+
+
+def _pool_slot(pages, pool, page):
+    return pages[pool // page] * page + pool % page
+
+
+def note(label):
+    """A hypothesis statistics event (``pytest --hypothesis-show-statistics``); no-op outside ``@given``."""
+    if currently_in_test_context():
+        event(label)
+
+
+def same_bytes(a, b, what):
+    """``assert_bytes_equal`` with a fast path for the (usual) equal case."""
+    if a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+            a.detach().contiguous().view(torch.uint8), b.detach().contiguous().view(torch.uint8)):
+        return
+    assert_bytes_equal(a, b, what)
+
+
+class Tokens:
+    """Reproducible random bf16 keys (LayerNorm-like scale) and gate scores."""
+
+    def __init__(self, seed):
+        self.g = torch.Generator().manual_seed(seed)
+
+    def __call__(self, n):
+        k = (torch.randn(n, D, generator=self.g) * 3).to(torch.bfloat16)
+        s = (torch.randn(n, D, generator=self.g) * 2).to(torch.bfloat16)
+        return k.to(DEVICE), s.to(DEVICE)
+
+
+def _cat(a, b):
+    return torch.cat((a, b)) if a is not None else b
+
+
+class Harness:
+    """A KPoolCache (random-filled) plus the test's own model of what it must hold."""
+
+    def __init__(self, *, pool, spec, page=16, layout="plain", fp8=torch.float8_e4m3fn, num_pages=4,
+                 max_requests=3, seed=0):
+        self.P, self.spec, self.page, self.layout, self.fp8 = pool, spec, page, layout, fp8
+        self.num_pages, self.max_requests = num_pages, max_requests
+        g = torch.Generator().manual_seed(seed)
+        self.ape = (torch.randn(pool, D, generator=g) * 2).to(DEVICE)
+        self.cache = KPoolCache(num_pages, page_size=page, pool_size=pool, max_requests=max_requests,
+                                max_spec_tokens=spec, ape=self.ape, device=DEVICE, layout=layout, fp8_dtype=fp8)
+        self.ring = ring_of(pool, spec)
+        c = self.cache
+        assert tuple(c.kv_cache.shape) == (num_pages, page, ENTRY) and c.kv_cache.dtype == torch.uint8
+        assert tuple(c.tail.shape) == (max_requests, 2, self.ring, D) and c.tail.dtype == torch.bfloat16
+        assert c.kv_cache.is_contiguous() and c.tail.is_contiguous()
+        c.kv_cache.copy_(random_bytes_like(c.kv_cache.shape, DEVICE, seed + 1))
+        tail_bytes = c.tail.view(torch.uint8)
+        tail_bytes.copy_(random_bytes_like(tail_bytes.shape, DEVICE, seed + 2))
+        self.tokens = Tokens(seed + 3)
+        self.keys, self.gates = {}, {}  # rid -> committed bf16 [L, 128]
+        self.codes, self.scales = {}, {}  # rid -> expected entries of the committed complete pools
+        self.pages = {}  # rid -> pages (observed, checked against the predicted count)
+        self.block = {}  # rid -> ring block (observed at its first token)
+        self.last = {}  # rid -> (kind, start, n) of its last step
+        self.steps = 0
+
+    # ------------------------------------------------------------------ model
+    def length(self, r):
+        return self.keys[r].shape[0] if r in self.keys else 0
+
+    def live(self):
+        return list(self.keys)
+
+    def _pages_for(self, length):
+        return -(-(length // self.P) // self.page)
+
+    def capacity_problem(self, rids, new_lengths):
+        """What a step must fail with: ``"requests"``, ``"pages"`` or None."""
+        new = [r for r in rids if r not in self.keys]
+        if len(new) > self.max_requests - len(self.keys):
+            return "requests"
+        held = sum(len(p) for p in self.pages.values())
+        need = sum(max(self._pages_for(n) - len(self.pages.get(r, [])), 0) for r, n in zip(rids, new_lengths))
+        return "pages" if need > self.num_pages - held else None
+
+    def _set_stream(self, r, keys, gates):
+        self.keys[r], self.gates[r] = keys, gates
+        n_pools = keys.shape[0] // self.P
+        have = self.codes[r].shape[0]
+        if have > n_pools:
+            self.codes[r], self.scales[r] = self.codes[r][:n_pools], self.scales[r][:n_pools]
+        elif have < n_pools:
+            k = keys[have * self.P: n_pools * self.P].reshape(-1, self.P, D).cpu()
+            g = gates[have * self.P: n_pools * self.P].reshape(-1, self.P, D).cpu()
+            codes, scales = numerics.compress_pools(k, g, self.ape.cpu(), self.fp8)
+            self.codes[r] = torch.cat((self.codes[r], codes))
+            self.scales[r] = torch.cat((self.scales[r], scales))
+
+    def _append(self, r, k, g):
+        if r not in self.keys:
+            self.keys[r] = self.gates[r] = None
+            self.codes[r] = torch.zeros((0, D), dtype=torch.uint8)
+            self.scales[r] = torch.zeros(0, dtype=torch.float32)
+            self.pages[r] = []
+        self._set_stream(r, _cat(self.keys[r], k), _cat(self.gates[r], g))
+
+    # ------------------------------------------------------------------ snapshots
+    def snapshot(self):
+        c = self.cache
+        lengths = {r: c.length(r) for r in c.requests}
+        tables = c.page_table(c.requests).clone() if c.requests else None
+        return c.kv_cache.clone(), c.tail.clone(), lengths, tables, c.metadata()
+
+    def assert_unchanged(self, snap, what):
+        c = self.cache
+        kv, tail, lengths, tables, meta = snap
+        same_bytes(c.kv_cache, kv, f"{what}: kv_cache")
+        same_bytes(c.tail, tail, f"{what}: tail ring")
+        assert {r: c.length(r) for r in c.requests} == lengths, f"{what}: request lengths changed"
+        if tables is not None:
+            assert torch.equal(c.page_table(list(lengths)), tables), f"{what}: page tables changed"
+        assert c.metadata() is meta, f"{what}: metadata() changed"
+
+    def expect_error(self, exc, match, fn, what):
+        snap = self.snapshot()
+        with pytest.raises(exc, match=match):
+            fn()
+        self.assert_unchanged(snap, what)
+
+    # ------------------------------------------------------------------ checks
+    def _learn_pages(self, rids, lengths_after, table):
+        """Pages of the step's requests after the step: old pages kept, count as predicted."""
+        assert table.dtype == torch.int32 and table.shape[0] == len(rids), f"page_table {tuple(table.shape)}"
+        for i, r in enumerate(rids):
+            row = table[i].tolist()
+            pages = [p for p in row if p >= 0]
+            assert row == pages + [-1] * (len(row) - len(pages)), f"page_table row of {r!r} not -1 padded: {row}"
+            old = self.pages[r]
+            assert pages[: len(old)] == old, f"request {r!r}: pages {old} became {pages}"
+            want = max(len(old), self._pages_for(lengths_after[i]))
+            assert len(pages) == want, f"request {r!r} of length {lengths_after[i]}: {len(pages)} pages, want {want}"
+            self.pages[r] = pages
+
+    def _learn_block(self, r, tail_slot):
+        if r not in self.block:
+            self.block[r] = tail_slot // self.ring
+
+    def _token_rows(self, r, start, n):
+        """Expected (positions, slot_mapping, tail_slot_mapping) of a request's tokens."""
+        P, page, blk = self.P, self.page, self.block.get(r, -1)
+        pos = list(range(start, start + n))
+        slots = [_pool_slot(self.pages[r], q // P, page) if (q + 1) % P == 0 else -1 for q in pos]
+        ts = [blk * self.ring + q % self.ring for q in pos]
+        return pos, slots, ts
+
+    def _check_writes(self, before_kv, before_tail, slot_mapping, tail_slot_mapping, what):
+        """Only the entries at ``slot_mapping`` and ring slots at ``tail_slot_mapping`` may change."""
+        c = self.cache
+        locs = slot_mapping[slot_mapping >= 0].cpu()
+        mask = torch.zeros(c.kv_cache.numel(), dtype=torch.bool)
+        mask[_entry_offsets(locs, self.page, self.layout).reshape(-1)] = True
+        changed = (c.kv_cache.reshape(-1).cpu() != before_kv.reshape(-1).cpu())
+        bad = (changed & ~mask).nonzero().flatten()
+        if bad.numel():
+            off = bad[:4].tolist()
+            where = [(o // (self.page * ENTRY), o % (self.page * ENTRY)) for o in off]
+            raise AssertionError(f"{what}: {bad.numel()} kv_cache bytes changed outside the step's slots "
+                                 f"{locs.tolist()}; first (page, byte): {where}")
+        ts = tail_slot_mapping[tail_slot_mapping >= 0].cpu()
+        tmask = torch.zeros(c.tail.shape[0], 2, self.ring, D, dtype=torch.bool)
+        tmask[ts // self.ring, :, ts % self.ring] = True
+        tchanged = (c.tail.cpu().view(torch.int16) != before_tail.cpu().view(torch.int16))
+        tbad = (tchanged & ~tmask).nonzero()
+        if tbad.numel():
+            raise AssertionError(f"{what}: ring changed outside the step's tail slots {ts.tolist()}; "
+                                 f"first (block, k/g, slot, dim): {tbad[:4].tolist()}")
+
+    def check_state(self, what):
+        """Everything the model knows, against the cache."""
+        c, P, page = self.cache, self.P, self.page
+        live = self.live()
+        assert sorted(map(repr, c.requests)) == sorted(map(repr, live)), f"{what}: live requests"
+        all_pages = [p for r in live for p in self.pages[r]]
+        assert len(set(all_pages)) == len(all_pages) and all(0 <= p < self.num_pages for p in all_pages), \
+            f"{what}: pages shared or out of range: {self.pages}"
+        blocks = [self.block[r] for r in live if r in self.block]
+        assert len(set(blocks)) == len(blocks) and all(0 <= b < self.max_requests for b in blocks), \
+            f"{what}: ring blocks shared or out of range: {self.block}"
+        if live:
+            table = c.page_table(live)
+            for i, r in enumerate(live):
+                assert [p for p in table[i].tolist() if p >= 0] == self.pages[r], f"{what}: page_table({r!r})"
+        flat = c.kv_cache.reshape(-1).cpu()
+        for r in live:
+            n_tok = self.length(r)
+            assert c.length(r) == n_tok, f"{what}: length({r!r}) = {c.length(r)}, want {n_tok}"
+            codes, scales = c.pooled_keys(r)
+            assert codes.dtype == torch.uint8 and scales.dtype == torch.float32
+            same_bytes(codes, self.codes[r], f"{what}: pooled_keys({r!r}) codes")
+            same_bytes(scales, self.scales[r], f"{what}: pooled_keys({r!r}) scales")
+            n_pools = n_tok // P
+            locs = [_pool_slot(self.pages[r], m, page) for m in range(n_pools)]
+            raw = flat[_entry_offsets(locs, page, self.layout)]
+            same_bytes(raw[:, :D], self.codes[r], f"{what}: key bytes of {r!r} at slots {locs}")
+            same_bytes(raw[:, D:].contiguous().view(torch.float32).reshape(-1), self.scales[r],
+                       f"{what}: scale bytes of {r!r} at slots {locs}")
+            if n_tok % P:
+                pos = torch.arange(n_pools * P, n_tok)
+                ring = c.tail[self.block[r]][:, pos % self.ring].cpu()
+                same_bytes(ring[0], self.keys[r][pos].cpu(), f"{what}: ring keys of {r!r}")
+                same_bytes(ring[1], self.gates[r][pos].cpu(), f"{what}: ring gates of {r!r}")
+
+    # ------------------------------------------------------------------ steps
+    def prefill(self, rids, lengths, form="list", row_pad=0, chunks=None):
+        """One prefill step; ``form``: ``list`` or ``packed`` (``row_pad`` extra elements per row)."""
+        self.steps += 1
+        what = f"step {self.steps} prefill {rids} {lengths}"
+        chunks = chunks or [self.tokens(n) for n in lengths]
+        starts = [self.length(r) for r in rids]
+        after = [a + n for a, n in zip(starts, lengths)]
+        if form == "list":
+            call = lambda: self.cache.prefill(rids, [k for k, _ in chunks], [g for _, g in chunks])  # noqa: E731
+        else:
+            keys, gates = packed(chunks, row_pad)
+            cu = torch.tensor([0] + list(torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()),
+                              dtype=torch.int32, device=DEVICE)
+            call = lambda: self.cache.prefill(rids, keys, gates, cu_seqlens=cu)  # noqa: E731
+        problem = self.capacity_problem(rids, after)
+        if problem:
+            note(f"prefill: out of {problem}")
+            self.expect_error(CacheCapacityError, problem, call, what)
+            return None
+        P = self.P
+        for r, a, n in zip(rids, starts, lengths):
+            note("prefill: new request" if r not in self.keys else "prefill: existing request")
+            if n == 0:
+                note("prefill: 0 tokens")
+            elif a % P and a // P == (a + n - 1) // P:
+                note("prefill: chunk inside one pool, starts mid-pool")
+            elif a % P:
+                note("prefill: starts mid-pool and completes it")
+            if self._pages_for(a + n) > max(len(self.pages.get(r, [])), 1):
+                note("prefill: crosses a page")
+        before_kv, before_tail = self.cache.kv_cache.clone(), self.cache.tail.clone()
+        meta = call()
+        assert meta is self.cache.metadata()
+        for r, (k, g) in zip(rids, chunks):
+            self._append(r, k, g)
+            self.last[r] = ("prefill", self.length(r) - k.shape[0], k.shape[0])
+        # metadata (module docstring formulas)
+        assert meta.kind == "prefill" and list(meta.request_ids) == list(rids)
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        assert meta.cu_seqlens.dtype == torch.int32 and meta.cu_seqlens.tolist() == cu, what
+        self._learn_pages(rids, after, meta.page_table)
+        for i, r in enumerate(rids):
+            if lengths[i]:
+                self._learn_block(r, int(meta.tail_slot_mapping[cu[i]]))
+        pos, slots, ts, pool_meta, pool_locs = [], [], [], [], []
+        for i, (r, a, n) in enumerate(zip(rids, starts, lengths)):
+            p_, s_, t_ = self._token_rows(r, a, n)
+            pos += p_
+            slots += s_
+            ts += t_
+            for m in range(a // self.P, (a + n) // self.P):
+                pool_meta.append([cu[i] + m * self.P - a, self.block[r], m * self.P, max(a - m * self.P, 0)])
+                pool_locs.append(_pool_slot(self.pages[r], m, self.page))
+        assert meta.positions.dtype == torch.int32 and meta.positions.tolist() == pos, what
+        assert meta.slot_mapping.dtype == torch.int64 and meta.slot_mapping.tolist() == slots, what
+        assert meta.tail_slot_mapping.dtype == torch.int64 and meta.tail_slot_mapping.tolist() == ts, what
+        assert meta.pool_locs.tolist() == pool_locs == [s for s in slots if s >= 0], what
+        assert meta.pool_meta.reshape(-1, 4).tolist() == pool_meta, what
+        self._check_writes(before_kv, before_tail, meta.slot_mapping, meta.tail_slot_mapping, what)
+        self.check_state(what)
+        return meta
+
+    def decode(self, rids, counts, form="list", chunks=None):
+        """One decode / verify step with ``counts[i]`` fresh random tokens (or ``chunks``) for ``rids[i]``."""
+        self.steps += 1
+        what = f"step {self.steps} decode {rids} {counts}"
+        chunks = chunks or [self.tokens(n) for n in counts]
+        starts = [self.length(r) for r in rids]
+        after = [a + n for a, n in zip(starts, counts)]
+        if form == "tensor":
+            assert len(set(counts)) == 1
+            keys = torch.stack([k for k, _ in chunks])
+            gates = torch.stack([g for _, g in chunks])
+            call = lambda: self.cache.decode(rids, keys, gates)  # noqa: E731
+        else:
+            call = lambda: self.cache.decode(rids, [k for k, _ in chunks], [g for _, g in chunks])  # noqa: E731
+        problem = self.capacity_problem(rids, after)
+        if problem:
+            note(f"decode: out of {problem}")
+            self.expect_error(CacheCapacityError, problem, call, what)
+            return None
+        for a, n in zip(starts, counts):
+            note(f"decode: next_n = {n}")
+            if (a + n) // self.P > a // self.P:
+                note("decode: completes a pool")
+            if (a + n - 1) // self.ring > a // self.ring:
+                note("decode: wraps the ring")
+        before_kv, before_tail = self.cache.kv_cache.clone(), self.cache.tail.clone()
+        meta = call()
+        assert meta is self.cache.metadata()
+        for r, (k, g), a in zip(rids, chunks, starts):
+            self._append(r, k, g)
+            self.last[r] = ("decode", a, k.shape[0])
+        assert meta.kind == "decode" and list(meta.request_ids) == list(rids)
+        self._learn_pages(rids, after, meta.page_table)
+        width = meta.positions.shape[1]
+        assert meta.positions.shape == (len(rids), width) and width >= max(counts + [0]), what
+        for i, r in enumerate(rids):
+            if counts[i]:
+                self._learn_block(r, int(meta.tail_slot_mapping[i, 0]))
+            pos, slots, ts = self._token_rows(r, starts[i], counts[i])
+            pad = [-1] * (width - counts[i])
+            assert meta.positions[i].tolist() == pos + pad, f"{what}: positions[{i}]"
+            assert meta.slot_mapping[i].tolist() == slots + pad, f"{what}: slot_mapping[{i}]"
+            assert meta.tail_slot_mapping[i].tolist() == ts + pad, f"{what}: tail_slot_mapping[{i}]"
+        self._check_writes(before_kv, before_tail, meta.slot_mapping, meta.tail_slot_mapping, what)
+        self.check_state(what)
+        return meta
+
+    def accept(self, rids, accepted):
+        self.steps += 1
+        what = f"step {self.steps} accept {rids} {accepted}"
+        snap = self.snapshot()
+        self.cache.accept(rids, accepted)
+        kv, tail, _, tables, meta = snap
+        same_bytes(self.cache.kv_cache, kv, f"{what}: kv_cache")
+        same_bytes(self.cache.tail, tail, f"{what}: tail")
+        for r, n in zip(rids, accepted):
+            kind, start, sent = self.last[r]
+            note("accept: rejects drafts" if n < sent else "accept: all")
+            if n < sent and (start + sent) // self.P > (start + n) // self.P:
+                note("accept: rolls back a written pool")
+            self._set_stream(r, self.keys[r][: start + n], self.gates[r][: start + n])
+            self.last[r] = (kind, start, n)
+        self.check_state(what)
+
+    def free(self, r):
+        self.steps += 1
+        what = f"step {self.steps} free {r!r}"
+        kv, tail = self.cache.kv_cache.clone(), self.cache.tail.clone()
+        self.cache.free(r)
+        same_bytes(self.cache.kv_cache, kv, f"{what}: kv_cache")
+        same_bytes(self.cache.tail, tail, f"{what}: tail")
+        for d in (self.keys, self.gates, self.codes, self.scales, self.pages, self.block, self.last):
+            d.pop(r, None)
+        self.check_state(what)
+
+
+def packed(chunks, row_pad=0, gate_pad=None):
+    """Token-major ``[T, 128]`` keys / gates; with padding they are views with a row stride > 128."""
+    gate_pad = row_pad if gate_pad is None else gate_pad
+    keys = torch.cat([k for k, _ in chunks]) if chunks else torch.zeros(0, D, dtype=torch.bfloat16, device=DEVICE)
+    gates = torch.cat([g for _, g in chunks]) if chunks else torch.zeros_like(keys)
+
+    def pad(x, extra):
+        if not extra:
+            return x
+        buf = torch.full((x.shape[0], D + extra), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        buf[:, :D] = x
+        return buf[:, :D]
+
+    return pad(keys, row_pad), pad(gates, gate_pad)
+
+
+# --- 1. random interleaved schedules -----------------------------------------------------
+
+def _chunk_len(rng, h, r, backend):
+    """A prefill chunk for request ``r``: inside one pool, completing the current pool, stopping
+    just short of a pool end, long, empty, or (torch) crossing a page."""
+    P, have = h.P, h.length(r)
+    kind = rng.choices(["short", "finish", "almost", "long", "zero", "huge"],
+                       [3, 3, 2, 3, 1, 1.5 if backend == "torch" else 0])[0]
+    if kind == "zero":
+        return 0
+    if kind == "almost":  # stops 1..spec+1 tokens before a pool end: the next decode step completes it
+        return (P - have % P - rng.randint(1, min(h.spec + 1, P - 1))) % P + P * rng.randint(0, 1)
+    if kind == "short":  # 1..P-1 tokens: stays in the pool or crosses into the next one
+        return rng.randint(1, P - 1)
+    if kind == "finish":  # completes the current (possibly partial) pool, maybe plus a whole pool
+        return P - have % P + P * rng.randint(0, 1)
+    if kind == "long":
+        return rng.randint(1, 2 * P + 3 if backend == "torch" else P + 3)
+    return rng.randint(P * h.page - P, P * h.page + P + 1)  # crosses a page
+
+
+def _bad_step(rng, h):
+    """A misuse mixed into the schedule: must raise and leave the cache unchanged."""
+    live = h.live()
+    decoded = [r for r in live if h.last.get(r, ("",))[0] == "decode"]
+    prefilled = [r for r in live if h.last.get(r, ("",))[0] == "prefill"]
+    options = ["unknown", "repeat"] + ["too_many"] * bool(live) + ["accept_big"] * bool(decoded) + \
+        ["accept_prefill"] * bool(prefilled)
+    kind = rng.choice(options)
+    note(f"misuse: {kind}")
+    k, g = h.tokens(1)
+    c = h.cache
+    if kind == "unknown":  # a freed or never seen id, next to a valid request
+        bad = rng.choice([r for r in range(6) if r not in h.keys] + ["nope"])
+        rids = live[:1] + [bad]
+        h.expect_error(KeyError, "unknown", lambda: c.decode(rids, [k] * len(rids), [g] * len(rids)), kind)
+        h.expect_error(KeyError, "unknown", lambda: c.accept([bad], [0]), kind)
+    elif kind == "repeat":
+        r = rng.choice(live) if live else 0
+        h.expect_error(ValueError, "repeat", lambda: c.prefill([r, r], [k, k], [g, g]), kind)
+        if live:
+            h.expect_error(ValueError, "repeat", lambda: c.decode([r, r], [k, k], [g, g]), kind)
+    elif kind == "too_many":
+        kk, gg = h.tokens(h.spec + 2)
+        rids = rng.sample(live, len(live))
+        h.expect_error(ValueError, "max_spec_tokens", lambda: c.decode(rids, [k] * (len(rids) - 1) + [kk],
+                                                                       [g] * (len(rids) - 1) + [gg]), kind)
+    elif kind == "accept_big":
+        r = rng.choice(decoded)
+        h.expect_error(ValueError, "num_accepted", lambda: c.accept([r], [h.last[r][2] + 1]), kind)
+    else:
+        r = rng.choice(prefilled)
+        h.expect_error(ValueError, "decode", lambda: c.accept([r], [0]), kind)
+
+
+def run_schedule(data, backend, pool, spec):
+    """Hypothesis draws the cache configuration and a schedule seed; the steps come from
+    ``random.Random(seed)`` (hypothesis's own choices crowd at the ends of every range, which
+    starves the interleavings). A failure names the step and its arguments."""
+    pick = lambda values, label: data.draw(st.sampled_from(values), label=label)  # noqa: E731
+    h = Harness(pool=pool, spec=spec, page=pick([16, 32], "page_size"), layout=pick(LAYOUTS, "layout"),
+                fp8=pick(FP8, "fp8"), num_pages=pick([1, 2, 3, 4], "num_pages"),
+                max_requests=pick([1, 2, 3], "max_requests"), seed=data.draw(st.integers(0, 2**20), label="seed"))
+    rng = random.Random(data.draw(st.integers(0, 2**32 - 1), label="schedule seed"))
+    n_steps = rng.randint(*STEPS[backend])
+    max_batch = 3 if backend == "torch" else 2
+    for _ in range(n_steps):
+        live = h.live()
+        decoded = [r for r in live if h.last.get(r, ("",))[0] == "decode"]
+        weights = {"decode": 5 * bool(live), "accept": 4 * bool(decoded), "prefill": 3 * bool(live),
+                   "new": 2 if len(live) < h.max_requests else 0.5, "free": bool(live), "bad": 0.5}
+        op = rng.choices(list(weights), list(weights.values()))[0]
+        note(f"op: {op}")
+        if op in ("new", "prefill"):
+            fresh = [r for r in range(5) if r not in h.keys]  # may be ids freed earlier
+            new = rng.sample(fresh, rng.choice([1, 1, 2] if op == "new" else [0, 0, 0, 1]))
+            old = rng.sample(live, rng.randint(op == "prefill", min(len(live), max_batch)))
+            rids = rng.sample(new + old, len(new + old))[:max_batch]
+            lengths = [_chunk_len(rng, h, r, backend) for r in rids]
+            h.prefill(rids, lengths, rng.choice(["list", "packed"]), row_pad=rng.choice([0, 0, 8]))
+        elif op == "decode":
+            rids = rng.sample(live, rng.randint(1, min(len(live), max_batch)))
+            if rng.random() < 0.5:  # one next_n, tensor or list form
+                counts = [rng.randint(1, spec + 1)] * len(rids)
+                form = rng.choice(["tensor", "list"])
+            else:  # mixed lengths (0 = the request sits this step out)
+                counts = [rng.choice([0] + [n for n in range(1, spec + 2) for _ in range(3)]) for _ in rids]
+                form = "list"
+            h.decode(rids, counts, form)
+        elif op == "accept":
+            rids = rng.sample(decoded, rng.randint(1, len(decoded)))
+            h.accept(rids, [rng.randint(0, h.last[r][2]) for r in rids])
+        elif op == "free":
+            h.free(rng.choice(live))
+        else:
+            _bad_step(rng, h)
+    return h
+
+
+@pytest.mark.parametrize("spec", [0, 1, 3])
+@pytest.mark.parametrize("pool", [4, 16])
+def test_random_schedules(backend, pool, spec):
+    """Random interleaved prefill / decode / accept / free / misuse schedules (see module doc)."""
+
+    @settings(max_examples=EXAMPLES[backend], deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(st.data())
+    def run(data):
+        run_schedule(data, backend, pool, spec)
+
+    run()
+
+
+# --- 2. one stream, any split: identical pooled bytes --------------------------------------
+
+@pytest.mark.parametrize("pool,layout,fp8", [(4, "plain", torch.float8_e4m3fn),
+                                             (16, "preshuffle", torch.float8_e4m3fnuz)])
+def test_same_stream_any_split(backend, pool, layout, fp8):
+    """One prefill == two chunks at every split == three chunks == token-by-token decode ==
+    speculative decode with rejected drafts, all byte-identical to ``compress_pools``."""
+    n_tok = 3 * pool + 2 if pool == 4 else pool + 3
+    stream = Tokens(7)(n_tok)
+    keys, gates = stream
+    splits2 = list(range(n_tok + 1))
+    splits3 = [(1, pool), (pool - 1, pool + 1), (2, n_tok - 1), (pool, pool), (pool + 1, n_tok)]
+    n_req = 1 + len(splits2) + len(splits3)
+    h = Harness(pool=pool, spec=0, layout=layout, fp8=fp8, num_pages=n_req + 2, max_requests=n_req, seed=11)
+    sl = lambda a, b: (keys[a:b], gates[a:b])  # noqa: E731
+
+    # all requests in the same steps (one batched step per chunk index)
+    reqs = [("one", [n_tok])] + [(f"split{j}", [j, n_tok - j]) for j in splits2] + \
+           [(f"split{i}_{j}", [i, j - i, n_tok - j]) for i, j in splits3]
+    for step in range(3):
+        rids, chunks = [], []
+        for name, cuts in reqs:
+            if step < len(cuts):
+                a = sum(cuts[:step])
+                rids.append(name)
+                chunks.append(sl(a, a + cuts[step]))
+        h.prefill(rids, [k.shape[0] for k, _ in chunks], chunks=chunks)
+    n_full = n_tok // pool * pool
+
+    def want(h):
+        return numerics.compress_pools(keys[:n_full].reshape(-1, pool, D).cpu(),
+                                       gates[:n_full].reshape(-1, pool, D).cpu(), h.ape.cpu(), fp8)
+
+    want_codes, want_scales = want(h)
+    for name, _ in reqs:
+        codes, scales = h.cache.pooled_keys(name)
+        same_bytes(codes, want_codes, f"{name}: codes")
+        same_bytes(scales, want_scales, f"{name}: scales")
+        h.free(name)
+
+    # token by token (a 0-token prefill registers the request), next to a request fed in
+    # random-sized verify steps (max_spec_tokens = 3) whose rejected drafts are random tokens
+    h2 = Harness(pool=pool, spec=3, layout=layout, fp8=fp8, num_pages=4, max_requests=2, seed=12)
+    h2.prefill(["tok", "spec"], [0, 1], chunks=[sl(0, 0), sl(0, 1)])
+    rng = torch.Generator().manual_seed(5)
+    rand = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=rng))  # noqa: E731
+    for t in range(n_tok):
+        rids, chunks = ["tok"], [sl(t, t + 1)]
+        have = h2.length("spec")
+        if have < n_tok:
+            n = rand(1, 4)
+            good = rand(1, min(n, n_tok - have))  # the drafts after `good` are rejected
+            k, g = sl(have, have + good)
+            dk, dg = h2.tokens(n - good)
+            rids.append("spec")
+            chunks.append((torch.cat((k, dk)), torch.cat((g, dg))))
+        h2.decode(rids, [k.shape[0] for k, _ in chunks], chunks=chunks)
+        if "spec" in rids and (good < n or rand(0, 1)):
+            h2.accept(["spec"], [good])
+    want_codes, want_scales = want(h2)
+    for name in ("tok", "spec"):
+        assert h2.length(name) == n_tok
+        codes, scales = h2.cache.pooled_keys(name)
+        same_bytes(codes, want_codes, f"{name}: codes")
+        same_bytes(scales, want_scales, f"{name}: scales")
+
+
+# --- 3. capacity and misuse ---------------------------------------------------------------
+
+def test_capacity_and_misuse(backend):
+    """Each misuse raises a clear error and leaves kv_cache, ring, lengths and page tables as they were."""
+    P, page = 4, 16
+    h = Harness(pool=P, spec=1, page=page, num_pages=3, max_requests=2, seed=21)
+    c = h.cache
+    h.prefill(["A", "B"], [2 * page * P + 3, 5])  # A: 32 pools (2 pages), B: 1 pool (1 page)
+    h.decode(["B"], [2])  # B: 7 tokens, last step a verify of 2
+    assert c.length("A") == 131 and sum(len(p) for p in h.pages.values()) == 3
+    k1, g1 = h.tokens(1)
+    k2, g2 = h.tokens(2)
+    k3, g3 = h.tokens(3)
+    err = h.expect_error
+
+    # capacity
+    err(CacheCapacityError, "pages", lambda: c.decode(["A"], [k1], [g1]), "decode needing a 4th page")
+    err(CacheCapacityError, "pages", lambda: c.decode(["B", "A"], [k1, k1], [g1, g1]), "decode needing a 4th page")
+    kk, gg = h.tokens(page * P)
+    err(CacheCapacityError, "pages", lambda: c.prefill(["B"], [kk], [gg]), "prefill needing a 4th page")
+    err(CacheCapacityError, "requests", lambda: c.prefill(["C"], [k1], [g1]), "a third request")
+    err(CacheCapacityError, "requests", lambda: c.prefill(["B", "C"], [k1, k1], [g1, g1]), "a third request")
+    assert "C" not in c.requests
+    # unknown ids
+    for fn in (lambda: c.decode(["Z"], [k1], [g1]), lambda: c.decode(["B", "Z"], [k1, k1], [g1, g1]),
+               lambda: c.accept(["Z"], [0]), lambda: c.free("Z"), lambda: c.pooled_keys("Z"),
+               lambda: c.length("Z")):
+        err(KeyError, "unknown", fn, "unknown id")
+    # too many tokens in a decode step (max_spec_tokens = 1)
+    err(ValueError, "max_spec_tokens", lambda: c.decode(["B"], [k3], [g3]), "3 tokens, list")
+    err(ValueError, "max_spec_tokens", lambda: c.decode(["B"], k3[None], g3[None]), "3 tokens, tensor")
+    # accept
+    err(ValueError, "num_accepted", lambda: c.accept(["B"], [3]), "accept more than the step")
+    err(ValueError, "num_accepted", lambda: c.accept(["B"], [-1]), "accept < 0")
+    err(ValueError, "num_accepted", lambda: c.accept(["B"], [1, 1]), "accept with 2 counts for 1 id")
+    err(ValueError, "decode", lambda: c.accept(["A"], [0]), "accept after a prefill")
+    err(ValueError, "decode", lambda: c.accept(["B", "A"], [1, 0]), "accept after a prefill (second id)")
+    err(ValueError, "repeat", lambda: c.accept(["B", "B"], [2, 1]), "accept, repeated id")
+    # repeated ids in a step
+    err(ValueError, "repeat", lambda: c.prefill(["B", "B"], [k1, k1], [g1, g1]), "prefill, repeated id")
+    err(ValueError, "repeat", lambda: c.decode(["B", "B"], [k1, k1], [g1, g1]), "decode, repeated id")
+    err(ValueError, "repeat", lambda: c.decode(["B", "B"], k1[None].expand(2, 1, D).contiguous(),
+                                               g1[None].expand(2, 1, D).contiguous()), "decode, repeated id")
+    # wrong dtype / shape / count
+    f32 = k1.float()
+    err(TypeError, "dtype", lambda: c.prefill(["B"], [f32], [g1]), "fp32 keys")
+    err(TypeError, "dtype", lambda: c.decode(["B"], [k1], [g1.float()]), "fp32 gates")
+    err(TypeError, "dtype", lambda: c.decode(["B"], f32[None], g1[None]), "fp32 keys, tensor")
+    err(ValueError, "shape|128", lambda: c.prefill(["B"], [k1[:, :64]], [g1[:, :64]]), "keys [1, 64]")
+    err(ValueError, "shape", lambda: c.prefill(["B"], [k2], [g1]), "gates shorter than keys")
+    err(ValueError, "shape|128", lambda: c.decode(["B"], [k1[:, :64]], [g1[:, :64]]), "keys [1, 64]")
+    err(ValueError, "shape|128|next_n", lambda: c.decode(["B"], k1[None, :, :64].contiguous(),
+                                                         g1[None, :, :64].contiguous()), "keys [1, 1, 64]")
+    err(ValueError, "next_n|shape|128|3-D", lambda: c.decode(["B", "A"], k1[None], g1[None]), "tensor B=1 for 2 ids")
+    err(ValueError, "3-D|shape", lambda: c.decode(["B"], k1, g1), "2-D keys in decode")
+    err(ValueError, "keys", lambda: c.prefill(["B", "A"], [k1], [g1]), "one chunk for two ids")
+    err(TypeError, "list|tensor", lambda: c.prefill(["B"], k1, g1), "packed keys without cu_seqlens")
+    k2t = torch.empty(1, D, 2, dtype=torch.bfloat16, device=DEVICE).transpose(1, 2)  # [1, 2, 128], inner stride 2
+    k2t.copy_(k2[None])
+    err(ValueError, "stride", lambda: c.decode(["B"], k2t, k2t), "decode keys with a non-unit inner stride")
+    err(ValueError, "stride", lambda: c.prefill(["B"], k2t[0], k2t[0], cu_seqlens=[0, 2]),
+        "packed keys with a non-unit inner stride")
+    # bad cu_seqlens
+    kp, gp = packed([h.tokens(3), h.tokens(2)])
+    for cu in ([0, 3], [0, 3, 4], [1, 3, 5], [0, 4, 3, 5], [0, 3, 6], [0, 6, 5],
+               torch.tensor([0, 2, 6], dtype=torch.int32)):
+        err(ValueError, "cu_seqlens", lambda: c.prefill(["B", "A"], kp, gp, cu_seqlens=cu), f"cu_seqlens {cu}")
+    # freed ids
+    h.free("B")
+    for fn in (lambda: c.decode(["B"], [k1], [g1]), lambda: c.accept(["B"], [0]), lambda: c.free("B"),
+               lambda: c.pooled_keys("B"), lambda: c.length("B")):
+        err(KeyError, "unknown|freed", fn, "freed id")
+    # the cache still works: B's block and page go to C; A needs a 3rd page once C is freed
+    h.prefill(["C"], [2 * P + 1])
+    assert h.pages["C"] == [p for p in range(3) if p not in h.pages["A"]]
+    h.prefill(["A"], [1])  # 132 tokens = 33 pools: out of pages (expected by the harness)
+    assert c.length("A") == 131
+    h.free("C")
+    h.prefill(["A"], [1])
+    h.decode(["A"], [2])
+    h.accept(["A"], [1])
+    assert c.length("A") == 133 and len(h.pages["A"]) == 3
+
+
+# --- 4. metadata formulas on a hand-computed example --------------------------------------
+
+def test_metadata_example(backend):
+    """A small schedule whose metadata is written out by hand (P=4, PAGE=16, RING=8)."""
+    P, page = 4, 16
+    h = Harness(pool=P, spec=3, page=page, num_pages=4, max_requests=2, seed=31)
+    c = h.cache
+    assert c.ring == 8 and tuple(c.tail.shape) == (2, 2, 8, D)
+    # first allocations: ring block 0, 1 and pages 0, 1, ... in order of the step's requests
+    meta = h.prefill(["x", "y"], [6, 3])
+    bx, by = h.block["x"], h.block["y"]
+    px = h.pages["x"][0]
+    assert meta.positions.tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2]
+    assert meta.slot_mapping.tolist() == [-1, -1, -1, px * page + 0, -1, -1, -1, -1, -1]
+    assert meta.tail_slot_mapping.tolist() == [bx * 8 + i for i in range(6)] + [by * 8 + i for i in range(3)]
+    assert meta.page_table.tolist() == [[px], [-1]]
+    assert meta.cu_seqlens.tolist() == [0, 6, 9]
+    meta = h.decode(["y", "x"], [3, 2])  # y: positions 3..5 (completes pool 0 at 3); x: 6, 7 (pool 1 at 7)
+    py = h.pages["y"][0]
+    assert meta.positions.tolist() == [[3, 4, 5], [6, 7, -1]]
+    assert meta.slot_mapping.tolist() == [[py * page, -1, -1], [-1, px * page + 1, -1]]
+    assert meta.tail_slot_mapping.tolist() == [[by * 8 + 3, by * 8 + 4, by * 8 + 5], [bx * 8 + 6, bx * 8 + 7, -1]]
+    assert meta.page_table.tolist() == [[py], [px]]
+    h.accept(["x"], [1])  # x back to 7 tokens
+    meta = h.decode(["x"], [4])  # positions 7..10 wrap the ring (RING = 8)
+    assert meta.positions.tolist() == [[7, 8, 9, 10]]
+    assert meta.slot_mapping.tolist() == [[px * page + 1, -1, -1, -1]]
+    assert meta.tail_slot_mapping.tolist() == [[bx * 8 + 7, bx * 8 + 0, bx * 8 + 1, bx * 8 + 2]]
+    # x crosses a page: pool 15 (position 63) ends its first page, pool 16 (position 67) starts the second
+    meta = h.prefill(["x"], [69 - 11])  # positions 11..68
+    assert len(h.pages["x"]) == 2
+    px2 = h.pages["x"][1]
+    slots = meta.slot_mapping.tolist()
+    assert slots[63 - 11] == px * page + 15 and slots[67 - 11] == px2 * page + 0
+    assert [q for q, s in enumerate(slots, 11) if s >= 0] == [11 + 4 * i for i in range(15)]
+    assert meta.cu_seqlens.tolist() == [0, 58] and meta.page_table.tolist() == [[px, px2]]
+    assert c.pool_slot("x", 16) == px2 * page and c.pool_slot("x", 15) == px * page + 15
+
+
+# --- 5. packed input form ----------------------------------------------------------------
+
+def test_packed_matches_list(backend):
+    """``cu_seqlens=`` packed input (dense, padded row strides, different strides for keys and
+    gates, tensor or list offsets) writes the same bytes as the list form."""
+    P = 4
+    steps = [(["a", "b", "c"], [5, 0, 9]), (["c", "a"], [2, 7]), (["b", "a", "c"], [3, 1, 4])]
+    variants = [dict(row_pad=0), dict(row_pad=8), dict(row_pad=8, gate_pad=24), dict(row_pad=0, cu="list")]
+    harnesses = [Harness(pool=P, spec=1, page=16, num_pages=4, max_requests=3, seed=41)
+                 for _ in range(1 + len(variants))]
+    toks = Tokens(42)
+    for rids, lengths in steps:
+        chunks = [toks(n) for n in lengths]
+        harnesses[0].prefill(rids, lengths, chunks=chunks)
+        for h, v in zip(harnesses[1:], variants):
+            keys, gates = packed(chunks, v["row_pad"], v.get("gate_pad"))
+            assert v["row_pad"] == 0 or keys.stride(0) == D + v["row_pad"]
+            cu = [0]
+            for n in lengths:
+                cu.append(cu[-1] + n)
+            cu = cu if v.get("cu") == "list" else torch.tensor(cu, dtype=torch.int32, device=DEVICE)
+            meta = h.cache.prefill(rids, keys, gates, cu_seqlens=cu)
+            ref = harnesses[0]
+            same_bytes(h.cache.kv_cache, ref.cache.kv_cache, f"{v}: kv_cache")
+            same_bytes(h.cache.tail, ref.cache.tail, f"{v}: tail")
+            rmeta = ref.cache.metadata()
+            for name in ("positions", "slot_mapping", "tail_slot_mapping", "page_table", "cu_seqlens", "pool_locs"):
+                assert torch.equal(getattr(meta, name), getattr(rmeta, name)), f"{v}: metadata {name}"
+    harnesses[0].check_state("list form")
+
+
+def test_decode_tensor_views(backend):
+    """Decode keys / gates given as ``[B, next_n, 128]`` views with padded strides (different for
+    keys and gates) write the same bytes as the list form."""
+    hs = [Harness(pool=4, spec=3, page=16, num_pages=2, max_requests=2, seed=61) for _ in range(2)]
+    toks = Tokens(62)
+    first = [toks(5), toks(2)]
+    for h in hs:
+        h.prefill(["a", "b"], [5, 2], chunks=first)
+    for step, (n, acc) in enumerate([(3, [1, 3]), (4, [4, 0]), (2, [2, 2])]):
+        chunks = [toks(n), toks(n)]
+        hs[0].decode(["b", "a"], [n, n], chunks=chunks)
+        kbuf = torch.zeros(2, n + 1, D + 64, dtype=torch.bfloat16, device=DEVICE)
+        gbuf = torch.zeros(2, n, D + 32, dtype=torch.bfloat16, device=DEVICE)
+        for i, (k, g) in enumerate(chunks):
+            kbuf[i, :n, :D] = k
+            gbuf[i, :, :D] = g
+        keys, gates = kbuf[:, :n, :D], gbuf[:, :, :D]
+        assert not keys.is_contiguous() and keys.stride() != gates.stride()
+        hs[1].cache.decode(["b", "a"], keys, gates)
+        same_bytes(hs[1].cache.kv_cache, hs[0].cache.kv_cache, f"step {step}: kv_cache")
+        same_bytes(hs[1].cache.tail, hs[0].cache.tail, f"step {step}: tail")
+        hs[0].accept(["b", "a"], acc)
+        hs[1].cache.accept(["b", "a"], acc)
+
+
+@pytest.mark.parametrize("pool", [4, 16])
+def test_backends_write_identical_bytes(monkeypatch, pool):
+    """The same schedule (with rejected drafts that write pools) on the torch and Triton backends
+    leaves the WHOLE kv_cache and ring byte-identical after every step, rolled-back bytes included."""
+    P = pool
+    hs = {be: Harness(pool=P, spec=3, page=16, layout="preshuffle", fp8=torch.float8_e4m3fnuz, num_pages=3,
+                      max_requests=3, seed=71) for be in ("torch", "triton")}
+    schedule = [("prefill", ["a", "b"], [P + 1, 2 * P - 2]), ("decode", ["a", "b"], [2, 4]),
+                ("accept", ["a", "b"], [2, 1]), ("decode", ["b", "a"], [3, 4]), ("accept", ["b"], [3]),
+                ("prefill", ["c", "a"], [P - 1, 3]), ("decode", ["c", "b"], [1, 4]), ("free", "b", None),
+                ("prefill", ["d", "c"], [2 * P + 1, P + 1]), ("decode", ["d", "a"], [3, 0])]
+    for i, (op, rids, arg) in enumerate(schedule):
+        for be, h in hs.items():
+            monkeypatch.setenv("KPOOL_BACKEND", be)
+            if op == "free":
+                h.free(rids)
+            else:
+                getattr(h, op)(rids, arg)
+        same_bytes(hs["triton"].cache.kv_cache, hs["torch"].cache.kv_cache, f"step {i} {op}: kv_cache")
+        same_bytes(hs["triton"].cache.tail, hs["torch"].cache.tail, f"step {i} {op}: tail")
