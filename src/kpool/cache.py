@@ -11,19 +11,33 @@ Addressing (what an engine must reproduce, see ``StepMetadata``):
   ``mP .. mP+P-1``) lives at flat slot ``loc = pages(r)[m // PAGE] * PAGE + m % PAGE``;
 * token at position ``pos`` has ``tail_slot = block(r) * RING + pos % RING``, and
   ``slot_mapping = loc(pos // P)`` if ``(pos + 1) % P == 0`` else ``-1``.
+
+Scoring: ``topk_indices`` turns the last step's queries into the token indices sparse
+attention reads (pools ``j < (pos + 1) // P`` of the request, logits chunked under
+``$KPOOL_LOGITS_BUDGET_MB``); ``score_and_select`` is its graph-capturable device part.
 """
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass, field
 
 import torch
 
+from . import reference
 from ._checks import check_tensor
 from .layout import (ENTRY_BYTES, HEAD_DIM, read_entries, resolve_fp8_dtype, resolve_layout, ring_size)
 from .ops.compress import compress_token_pools
 from .ops.decode import kpool_decode_update_and_maybe_write_cache_batched
+from .ops.logits import SUPPORTED_HEADS, paged_pool_logits
+from .ops.quant import fwht128_quant_fp8
+from .ops.select import expand_pools_and_append_tail
 from .ops.tail import seed_requests
+from .ops.topk import select_pools
+
+LOGITS_BUDGET_ENV = "KPOOL_LOGITS_BUDGET_MB"
+DEFAULT_LOGITS_BUDGET_MB = 256
 
 
 class CacheCapacityError(RuntimeError):
@@ -267,6 +281,124 @@ class KPoolCache:
                                       self.page_table(request_ids))
         return self.last_step
 
+    # ------------------------------------------------------------------ scoring
+    def topk_indices(self, request_ids, q, weights, *, index_topk=2048, width=None) -> torch.Tensor:
+        """Token indices sparse attention reads, for the tokens of each listed request's last step.
+
+        Rows are the tokens of each request's most recent step (prefill chunk, or decode /
+        verify step; after ``accept`` only its accepted tokens), requests in the listed order,
+        tokens in position order (``T = sum`` of those step lengths). A token at position
+        ``p`` sees the request's complete pools ``j < (p + 1) // P`` (the pools its own step
+        wrote included). Per row: ``fwht128_quant_fp8(q)``, folded head weights
+        ``(weights * q_scale) * fp32(128^-0.5 * H^-0.5)``, exact pooled logits
+        (``paged_pool_logits``), the ``select_k = index_topk // P`` best pools
+        (``select_pools``: highest first, ties to the lower pool id; every visible pool in
+        order when there are at most ``select_k``), expanded to tokens plus the tail
+        (``expand_pools_and_append_tail``). No index exceeds the row's position.
+
+        Memory: the fp32 logits buffer (rows x visible pools) is chunked so it stays under
+        ``$KPOOL_LOGITS_BUDGET_MB`` MiB (default 256; one row at least). Rows that see at
+        most ``select_k`` pools are not scored (their selection is every visible pool).
+
+        Parameters
+        ----------
+        request_ids : live request ids (no repeats).
+        q : bf16 ``[T, H, 128]`` unrotated indexer queries (``wq_b`` output), H in {16, 32, 64}.
+        weights : fp32 ``[T, H]`` raw head weights (``weights_proj`` output in fp32).
+        index_topk : tokens to select (2048 for GLM-5.3-Flash); ``index_topk >= P``.
+        width : output columns, default ``index_topk + P - 1`` (e.g. 2176 = rounded up to 128).
+
+        Returns
+        -------
+        int32 ``[T, width]``: columns ``[0, select_k * P)`` hold ``pool * P + o`` for each
+        selected pool in selection order (``P`` times -1 for an empty pick), the next
+        ``P - 1`` the tail tokens ``[(p + 1) // P * P, p]``; -1 padding. Request-relative
+        token positions.
+        """
+        request_ids = list(request_ids)
+        if len(set(request_ids)) != len(request_ids):
+            raise ValueError("request_ids must not repeat in topk_indices")
+        reqs = [self._get(r) for r in request_ids]
+        p = self.pool_size
+        if not isinstance(index_topk, int) or isinstance(index_topk, bool) or index_topk < p:
+            raise ValueError(f"index_topk must be an int >= pool_size = {p}, got {index_topk!r}")
+        select_k = index_topk // p
+        natural = index_topk + p - 1
+        if width is None:
+            width = natural
+        elif not isinstance(width, int) or isinstance(width, bool) or width < natural:
+            raise ValueError(f"width must be an int >= index_topk + pool_size - 1 = {natural}, got {width!r}")
+        counts = [r.step_len for r in reqs]
+        total = sum(counts)
+        check_tensor("q", q, dtype=torch.bfloat16, ndim=3, device=self.device)
+        if q.shape[0] != total or q.shape[2] != HEAD_DIM:
+            raise ValueError(f"q must have shape [T={total}, H, {HEAD_DIM}] (T = the tokens of the listed requests' "
+                             f"last steps: {counts}), got {list(q.shape)}")
+        heads = q.shape[1]
+        if heads not in SUPPORTED_HEADS:
+            raise ValueError(f"q must have H in {SUPPORTED_HEADS} heads, got {heads}")
+        check_tensor("weights", weights, dtype=torch.float32, shape=(total, heads), device=self.device)
+        budget = logits_budget_bytes()
+        out = torch.empty((total + 1, width), dtype=torch.int32, device=self.device)  # row T: sink of padding
+        if total == 0:
+            return out[:0]
+        q8, q_scale = fwht128_quant_fp8(q, fp8_dtype=self.fp8_dtype, round_scale=self.round_scale)
+        w = reference.fold_head_weights(weights, q_scale)
+        short, items, row = [], [], 0  # short: (row0, pos0, n) runs scored by identity; items: long runs
+        for i, (req, n) in enumerate(zip(reqs, counts)):
+            a = req.step_start
+            # rows at positions >= first_long see more than select_k pools
+            first_long = min(max((select_k + 1) * p - 1, a), a + n)
+            if first_long > a:
+                short.append((row, a, first_long - a))
+            if a + n > first_long:
+                items.append((i, row + first_long - a, first_long, a + n - first_long, (a + n) // p))
+            row += n
+        if short:
+            self._identity_rows(out, short, select_k, width, total)
+        if items:
+            page_table = self.page_table(request_ids)
+            for chunk in _plan_chunks(items, budget, self.pool_size):
+                self._score_chunk(out, chunk, q8, w, page_table, select_k, width, total)
+        return out[:total]
+
+    def _identity_rows(self, out, runs, select_k, width, total) -> None:
+        """Rows seeing at most ``select_k`` pools: every visible pool in order, then the tail."""
+        rows = torch.cat([torch.arange(r0, r0 + n, dtype=torch.int64) for r0, _, n in runs])
+        pos = torch.cat([torch.arange(a, a + n, dtype=torch.int64) for _, a, n in runs]).to(self.device)
+        lens = torch.div(pos + 1, self.pool_size, rounding_mode="floor")
+        cols = torch.arange(select_k, dtype=torch.int64, device=self.device)
+        ids = torch.where(cols[None, :] < lens[:, None], cols[None, :], -1).to(torch.int32)
+        idx = expand_pools_and_append_tail(ids, pos + 1, self.pool_size, width=width)
+        _put_rows(out, rows, idx, total)
+
+    def _score_chunk(self, out, chunk, q8, w, page_table, select_k, width, total) -> None:
+        """One grid ``[B, n]`` of long rows (``chunk``: items of ``_plan_chunks``, padded to the longest)."""
+        n = max(m for _, _, _, m, _ in chunk)
+        max_pools = max(v for _, _, _, _, v in chunk)
+        rows, pos = [], []
+        for _, r0, a, m, _ in chunk:
+            rows += list(range(r0, r0 + m)) + [total] * (n - m)
+            pos += list(range(a, a + m)) + [-1] * (n - m)
+        dev, batch = self.device, len(chunk)
+        rows_t = torch.tensor(rows, dtype=torch.int64)
+        pos_t = torch.tensor(pos, dtype=torch.int32, device=dev).reshape(batch, n)
+        if rows[-1] < total and rows == list(range(rows[0], rows[0] + len(rows))):  # contiguous: no gathers
+            q8c, wc = q8[rows[0]:rows[0] + len(rows)], w[rows[0]:rows[0] + len(rows)]
+        else:
+            src = rows_t.clamp(max=total - 1).to(dev)
+            q8c, wc = q8.index_select(0, src), w.index_select(0, src)
+        reqs = [i for i, _, _, _, _ in chunk]
+        if reqs == list(range(reqs[0], reqs[0] + batch)):
+            pt = page_table[reqs[0]:reqs[0] + batch]
+        else:
+            pt = page_table.index_select(0, torch.tensor(reqs, dtype=torch.int64, device=dev))
+        idx = score_and_select_quantized(
+            q8c.reshape(batch, n, *q8.shape[1:]), wc.reshape(batch, n, w.shape[1]), self.kv_cache, pt, pos_t,
+            pool_size=self.pool_size, select_k=select_k, width=width, max_pools=max_pools, layout=self.layout,
+            fp8_dtype=self.fp8_dtype)
+        _put_rows(out, rows_t, idx, total)
+
     # ------------------------------------------------------------------ helpers
     def _get(self, request_id) -> _Request:
         try:
@@ -331,3 +463,115 @@ class KPoolCache:
             self._requests[rid] = _Request(block=self._free_blocks.pop())
         for rid, n in need.items():
             self._requests[rid].pages += [self._free_pages.pop() for _ in range(n)]
+
+
+# ---------------------------------------------------------------------- scoring helpers
+def logits_budget_bytes() -> int:
+    """``$KPOOL_LOGITS_BUDGET_MB`` (MiB, default 256) in bytes: the cap of one scoring chunk's logits."""
+    raw = os.environ.get(LOGITS_BUDGET_ENV, "").strip()
+    if not raw:
+        return DEFAULT_LOGITS_BUDGET_MB << 20
+    try:
+        mib = float(raw)
+    except ValueError:
+        mib = float("nan")
+    if not (math.isfinite(mib) and mib > 0):
+        raise ValueError(f"{LOGITS_BUDGET_ENV} must be a positive number of MiB, got {raw!r}")
+    return max(1, int(mib * (1 << 20)))
+
+
+def _plan_chunks(items, budget, pool_size):
+    """Group long-row runs into grids whose fp32 logits ``[B * n, max_pools]`` fit ``budget`` bytes.
+
+    ``items``: ``(request index, first row, first position, rows m, visible pools of the last
+    row)`` in row order. Consecutive items share a grid (padded to the longest run) while the
+    padding stays under half of the grid; a run too large alone is split into pieces.
+    """
+    chunks, cur = [], []
+
+    def cost(group):
+        return len(group) * max(it[3] for it in group) * max(it[4] for it in group) * 4
+
+    for it in items:
+        i, r0, a, m, vis = it
+        if m * vis * 4 > budget:  # alone over budget: pieces of whole rows (at least one)
+            if cur:
+                chunks.append(cur)
+                cur = []
+            step = max(1, budget // (4 * vis))
+            for t in range(0, m, step):
+                k = min(step, m - t)
+                chunks.append([(i, r0 + t, a + t, k, (a + t + k) // pool_size)])
+            continue
+        grown = cur + [it]
+        rows = len(grown) * max(g[3] for g in grown)
+        if cur and (cost(grown) > budget or rows > 2 * sum(g[3] for g in grown)):
+            chunks.append(cur)
+            grown = [it]
+        cur = grown
+    if cur:
+        chunks.append(cur)
+    return chunks
+
+
+def _put_rows(out, rows, idx, total) -> None:
+    """``out[rows] = idx`` (``rows`` int64 on the CPU; padding rows point at the sink row ``total``)."""
+    r0, n = int(rows[0]), rows.numel()
+    if int(rows[-1]) < total and bool((rows == torch.arange(r0, r0 + n)).all()):
+        out[r0:r0 + n] = idx
+    else:
+        out.index_copy_(0, rows.to(out.device), idx)
+
+
+def score_and_select_quantized(q8, w, kv_cache, page_table, positions, *, pool_size, select_k, width=None,
+                               max_pools=None, layout=None, fp8_dtype=None) -> torch.Tensor:
+    """Device part of ``KPoolCache.topk_indices`` for one grid of rows (no host syncs when
+    ``KPOOL_CHECK=0`` or under CUDA-graph capture).
+
+    Parameters
+    ----------
+    q8 : fp8 ``[B, n, H, 128]`` rotated, quantized queries (``fwht128_quant_fp8``).
+    w : fp32 ``[B, n, H]`` folded head weights (``reference.fold_head_weights``).
+    kv_cache : uint8 ``[num_pages, PAGE, 132]``.
+    page_table : int ``[B, max_pages]`` each row's request pages (pool granularity).
+    positions : int ``[B, n]`` token positions (negative = padding row: no pools, no tail).
+    pool_size, select_k : P and ``index_topk // P``.
+    width : output columns (default ``select_k * P + P - 1``).
+    max_pools : host int >= every row's visible pools ``(pos + 1) // P`` (default
+        ``max_pages * PAGE``); when ``<= select_k`` nothing is scored.
+
+    Returns
+    -------
+    int32 ``[B * n, width]`` rows as ``KPoolCache.topk_indices`` (padding rows all -1).
+    """
+    batch, n = positions.shape
+    pos = positions.to(torch.int64)
+    lens = torch.where(pos >= 0, torch.div(pos + 1, pool_size, rounding_mode="floor"), 0)
+    if max_pools is None:
+        max_pools = page_table.shape[1] * kv_cache.shape[1]
+    if max_pools <= select_k:
+        cols = torch.arange(select_k, dtype=torch.int64, device=pos.device)
+        ids = torch.where(cols < lens.reshape(-1, 1), cols, -1).to(torch.int32)
+    else:
+        logits = paged_pool_logits(q8, kv_cache, w, lens, page_table, layout=layout, fp8_dtype=fp8_dtype,
+                                   max_pools=max_pools)
+        ids = select_pools(logits, lens.reshape(-1), select_k)
+    return expand_pools_and_append_tail(ids, (pos + 1).clamp_min(0).reshape(-1), pool_size, width=width)
+
+
+def score_and_select(q, weights, kv_cache, page_table, positions, *, pool_size, index_topk, width=None,
+                     max_pools=None, layout=None, fp8_dtype=None, round_scale=True) -> torch.Tensor:
+    """Query quantization + head-weight folding + ``score_and_select_quantized`` for one grid.
+
+    ``q`` bf16 ``[B, n, H, 128]`` (unrotated), ``weights`` fp32 ``[B, n, H]`` (raw); the other
+    arguments as ``score_and_select_quantized`` (``select_k = index_topk // pool_size``,
+    ``width`` default ``index_topk + P - 1``). One unchunked pass: what a decode / verify
+    step of ``KPoolCache.topk_indices`` runs (used by the scoring benchmarks).
+    """
+    fp8_dtype = resolve_fp8_dtype(fp8_dtype, q.device)
+    q8, q_scale = fwht128_quant_fp8(q, fp8_dtype=fp8_dtype, round_scale=round_scale)
+    w = reference.fold_head_weights(weights, q_scale)
+    width = index_topk + pool_size - 1 if width is None else width
+    return score_and_select_quantized(q8, w, kv_cache, page_table, positions, pool_size=pool_size,
+                                      select_k=index_topk // pool_size, width=width, max_pools=max_pools,
+                                      layout=layout, fp8_dtype=fp8_dtype)

@@ -335,3 +335,127 @@ def select_pools(logits, pool_lens, select_k):
 
 __all__ += ["fwht128_quant_fp8", "fp8_int_table", "pool_scores", "paged_pool_logits", "ragged_pool_logits",
             "pool_order_keys", "select_pools"]
+
+
+# =============================================================================================
+# Indexer oracles (issue 5, integration: KPoolCache.topk_indices / KPoolIndexer).
+#  * serving_*: the serving bytes end to end, from raw token keys / gates (one request):
+#    one-shot pool compression (numerics.compress_pools), query rotation + fp8
+#    (rotate_quant_rows), head-weight folding (fold_head_weights), the exact pooled logits
+#    (pool_scores), deterministic selection, expansion + tail. KPoolCache.topk_indices must
+#    return exactly these rows, whatever steps wrote the pools.
+#  * hf_*: the model's bf16 reference math (peers_kpool.md §1.3; no Hadamard, no fp8):
+#    fp32 softmax over the P slots per channel, probabilities to bf16, bf16 products, an
+#    fp32-accumulated sum rounded to bf16; fp32 scores relu(q.k * 128^-0.5) per head,
+#    weighted by w * H^-0.5. Its selection differs from the serving one by fp8
+#    quantization only; compare selections as sets (Jaccard). Ties: lower pool id.
+# =============================================================================================
+
+def fold_head_weights(weights, q_scale):
+    """Folded fp32 head weights ``(weights * q_scale) * fp32(128^-0.5 * H^-0.5)``.
+
+    ``weights [..., H]`` fp32 (raw ``weights_proj`` output), ``q_scale`` with ``weights.numel()``
+    elements (``[..., H]`` or ``[..., H, 1]``). The two constants are folded into ONE fp32
+    constant (exactly ``2^-6`` at H = 32); ``q_scale`` is a power of two with ue8m0 scales.
+    Used by ``KPoolCache.topk_indices`` on every backend.
+    """
+    heads = weights.shape[-1]
+    c = torch.tensor(HEAD_DIM ** -0.5 * heads ** -0.5, dtype=_F32)  # 0-dim CPU scalar: no copy, graph-safe
+    return (weights.to(_F32) * q_scale.reshape(weights.shape).to(_F32)) * c
+
+
+def _visible_pools(positions, pool_size):
+    return torch.div(positions.to(torch.int64) + 1, pool_size, rounding_mode="floor").clamp_min(0)
+
+
+def serving_pool_logits(q, weights, keys, gates, ape, positions, pool_size, fp8_dtype, round_scale=True):
+    """Serving-bytes pooled logits of one request's queries -> ``(logits [S, N] fp32, pool_lens [S])``.
+
+    ``q [S, H, 128]`` bf16 (unrotated), ``weights [S, H]`` fp32 (raw), ``keys`` / ``gates``
+    ``[L, 128]`` bf16 of the request's tokens ``0 .. L-1`` (L >= max position + 1), ``ape
+    [P, 128]`` fp32, ``positions [S]``. ``N = L // P``; row ``s`` sees pools ``j <
+    (positions[s] + 1) // P``, ``-inf`` elsewhere.
+    """
+    p = pool_size
+    n = keys.shape[0] // p
+    s_rows, heads = q.shape[:2]
+    codes, scale = numerics.compress_pools(keys[: n * p].reshape(n, p, HEAD_DIM),
+                                           gates[: n * p].reshape(n, p, HEAD_DIM), ape, fp8_dtype, round_scale)
+    qc, qs = numerics.rotate_quant_rows(q.reshape(-1, HEAD_DIM), fp8_dtype, round_scale)
+    w = fold_head_weights(weights, qs.reshape(s_rows, heads))
+    scores = pool_scores(qc.reshape(s_rows, heads, HEAD_DIM), w, codes, scale, fp8_dtype)
+    lens = _visible_pools(positions, p)
+    j = torch.arange(n, device=q.device, dtype=torch.int64)
+    return torch.where(j[None, :] < lens[:, None], scores, float("-inf")), lens
+
+
+def serving_topk_indices(q, weights, keys, gates, ape, positions, pool_size, index_topk, fp8_dtype,
+                         round_scale=True, width=None):
+    """Serving-bytes selection of one request's queries (arguments: ``serving_pool_logits``).
+
+    Returns ``(indices [S, width] int32, pool_ids [S, index_topk // P] int32, logits [S, N])``
+    with ``width`` default ``index_topk + P - 1``: what ``KPoolCache.topk_indices`` returns
+    for these queries.
+    """
+    logits, lens = serving_pool_logits(q, weights, keys, gates, ape, positions, pool_size, fp8_dtype, round_scale)
+    pool_ids = select_pools(logits, lens, index_topk // pool_size)
+    width = index_topk + pool_size - 1 if width is None else width
+    seq = positions.to(torch.int64) + 1
+    return expand_pools_and_append_tail(pool_ids, seq, pool_size, width=width), pool_ids, logits
+
+
+def hf_pool_keys(keys, gates, ape, round_ape=True):
+    """The model's bf16 pooling (peers_kpool.md §1.3) -> pooled keys ``[n, 128]`` bf16.
+
+    ``keys`` / ``gates`` ``[n, P, 128]`` bf16, ``ape [P, 128]`` (rounded to bf16 first when
+    ``round_ape``: the model loaded in bf16). ``p = bf16(softmax_slots(f32(g) + f32(ape)))``,
+    products ``bf16(p * k)``, summed over the slots in fp32 in slot order, rounded to bf16.
+    """
+    a = ape.to(torch.bfloat16).to(_F32) if round_ape else ape.to(_F32)
+    prob = torch.softmax(gates.to(_F32) + a[None], dim=1).to(torch.bfloat16)
+    prod = (prob * keys.to(torch.bfloat16)).to(_F32)  # bf16 x bf16, each product rounded to bf16
+    acc = prod[:, 0]
+    for s in range(1, prod.shape[1]):
+        acc = acc + prod[:, s]
+    return acc.to(torch.bfloat16)
+
+
+def hf_pool_logits(q, weights, keys, gates, ape, positions, pool_size, round_ape=True):
+    """The model's bf16 reference logits of one request's queries -> ``(logits [S, N] fp32, pool_lens [S])``.
+
+    Arguments as ``serving_pool_logits``. ``I[s, j] = sum_h (w[s, h] * H^-0.5) *
+    relu((f32(q[s, h]) . f32(pooled[j])) * 128^-0.5)`` in fp32; pools a row does not see
+    are ``-inf``. ``weights`` is used as given (HF rounds ``weights_proj``'s output to bf16:
+    pass ``weights.bfloat16().float()`` to mimic that too).
+    """
+    p = pool_size
+    n = keys.shape[0] // p
+    s_rows, heads = q.shape[:2]
+    pooled = hf_pool_keys(keys[: n * p].reshape(n, p, HEAD_DIM), gates[: n * p].reshape(n, p, HEAD_DIM), ape,
+                          round_ape).to(_F32)
+    qf = q.to(_F32)
+    w = weights.to(_F32) * torch.tensor(heads ** -0.5, dtype=_F32, device=q.device)
+    scale = torch.tensor(HEAD_DIM ** -0.5, dtype=_F32, device=q.device)
+    out = torch.zeros((s_rows, n), dtype=_F32, device=q.device)
+    for h in range(heads):
+        out = out + w[:, h, None] * torch.relu((qf[:, h] @ pooled.T) * scale)
+    lens = _visible_pools(positions, p)
+    j = torch.arange(n, device=q.device, dtype=torch.int64)
+    return torch.where(j[None, :] < lens[:, None], out, float("-inf")), lens
+
+
+def hf_topk_indices(q, weights, keys, gates, ape, positions, pool_size, index_topk, round_ape=True, width=None):
+    """The model's bf16 reference selection (``hf_pool_logits``; ties to the lower pool id,
+    every visible pool in order when there are at most ``index_topk // P``).
+
+    Returns ``(indices [S, width] int32, pool_ids [S, index_topk // P] int32, logits [S, N])``.
+    """
+    logits, lens = hf_pool_logits(q, weights, keys, gates, ape, positions, pool_size, round_ape)
+    pool_ids = select_pools(logits, lens, index_topk // pool_size)
+    width = index_topk + pool_size - 1 if width is None else width
+    seq = positions.to(torch.int64) + 1
+    return expand_pools_and_append_tail(pool_ids, seq, pool_size, width=width), pool_ids, logits
+
+
+__all__ += ["fold_head_weights", "serving_pool_logits", "serving_topk_indices", "hf_pool_keys", "hf_pool_logits",
+            "hf_topk_indices"]
