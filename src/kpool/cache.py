@@ -236,8 +236,9 @@ class KPoolCache:
         padded here). At most ``max_spec_tokens + 1`` tokens per request; ``accept`` commits a prefix.
         """
         if torch.is_tensor(keys):
-            check_tensor("keys", keys, dtype=torch.bfloat16, ndim=3, device=self.device)
-            check_tensor("gates", gates, dtype=torch.bfloat16, shape=tuple(keys.shape), device=self.device)
+            check_tensor("keys", keys, dtype=torch.bfloat16, ndim=3, device=self.device, inner_contiguous=True)
+            check_tensor("gates", gates, dtype=torch.bfloat16, shape=tuple(keys.shape), device=self.device,
+                         inner_contiguous=True)
             if keys.shape[0] != len(request_ids) or keys.shape[2] != HEAD_DIM:
                 raise ValueError(f"keys must be [{len(request_ids)}, next_n, {HEAD_DIM}], got {list(keys.shape)}")
             counts = [keys.shape[1]] * len(request_ids)

@@ -81,23 +81,20 @@ def decode_update(kv_cache, tail, tail_slot_mapping, key, slot_score, ape, slot_
 
 
 def seed_tail(tail, key, gate_score, tslot, kpool):
-    """Reference of ``kpool_seed_tail_cache``: copy each block's last ``kpool`` valid tokens.
+    """Reference of ``kpool_seed_tail_cache``: the seed's rule on the batch without its padding.
 
-    A token is valid when ``0 <= tslot < num_blocks * RING``; it goes to ring slot
-    ``tslot % RING`` of block ``tslot // RING``. Padding (negative) may sit anywhere.
+    Valid tokens (``0 <= tslot < num_blocks * RING``) in order; the ``r``-th is copied to
+    ring slot ``tslot % RING`` of block ``tslot // RING`` unless the ``(r + kpool)``-th is
+    in the same block (so each request's last ``kpool`` tokens are seeded).
     """
     num_blocks, _, ring, _ = tail.shape
-    seen: dict = {}
-    ts = tslot.tolist()
-    for i in range(len(ts) - 1, -1, -1):
-        t = ts[i]
-        if not 0 <= t < num_blocks * ring:
+    rows = [i for i, t in enumerate(tslot.tolist()) if 0 <= t < num_blocks * ring]
+    ts = [int(tslot[i]) for i in rows]
+    for r, (i, t) in enumerate(zip(rows, ts)):
+        if r + kpool < len(ts) and ts[r + kpool] // ring == t // ring:
             continue
-        block = t // ring
-        seen[block] = seen.get(block, 0) + 1
-        if seen[block] <= kpool:
-            tail[block, 0, t % ring] = key[i]
-            tail[block, 1, t % ring] = gate_score[i]
+        tail[t // ring, 0, t % ring] = key[i]
+        tail[t // ring, 1, t % ring] = gate_score[i]
 
 
 def seed_requests(tail, key, gate, meta):

@@ -19,10 +19,11 @@ from .._checks import (INT_DTYPES, check_head_dim, check_index_range, check_kv_c
 from ..layout import HEAD_DIM, fp8_max, resolve_fp8_dtype, resolve_layout
 from . import _jit
 
-# Pools per program and warps: on the H200 one pool per one-warp program beat 2-32 pools on
-# 1-8 warps (benchmarks/NOTES.md); the CPU interpreter runs fewer, larger programs faster.
-# The bytes do not depend on the tile size.
-BLOCK_POOLS, NUM_WARPS = 1, 1
+# Pools per one-warp program, by P: on the H200 2 pools (P=4) and 1 pool (P=16) beat 1-32
+# pools on 1-8 warps (benchmarks/NOTES.md); the CPU interpreter runs fewer, larger programs
+# faster. The bytes do not depend on the tile size.
+BLOCK_POOLS = {4: 2}
+NUM_WARPS = 1
 INTERPRETER_BLOCK_POOLS = 16
 
 
@@ -81,7 +82,7 @@ def launch_compress(kv_cache, k, g, k_strides, g_strides, ape, loc, n_pools, poo
     cache = kv_cache if write else k
     cache_u8 = cache.view(torch.uint8) if write else loc
     cache_f32 = kv_cache.view(torch.float32) if write else loc
-    block = INTERPRETER_BLOCK_POOLS if interpreting() else BLOCK_POOLS
+    block = INTERPRETER_BLOCK_POOLS if interpreting() else BLOCK_POOLS.get(pool_size, 1)
     grid = (triton.cdiv(n_pools, block),)
     _compress_kernel[grid](
         cache_u8, cache_f32, kv_cache.stride(0) if write else 0,

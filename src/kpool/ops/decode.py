@@ -20,6 +20,8 @@ from .._checks import (INT_DTYPES, check_head_dim, check_index_range, check_kv_c
 from ..layout import HEAD_DIM, fp8_max, resolve_fp8_dtype, resolve_layout
 from . import _jit
 
+DECODE_WARPS = 1  # one request per program; see benchmarks/NOTES.md
+
 
 @triton.jit
 def _pick(t, j, v):
@@ -94,6 +96,14 @@ def _decode_update_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
     ring_base = blk * tail_block_stride
     key_row = b * key_sb + t * key_st
     g_row = b * g_sb + t * g_st
+    # stash plan and rows, loaded up front: the last token of the step aimed at each
+    # (block, ring slot) wins
+    slot = pos % RING
+    later = (t[None, :] > t[:, None]) & stash[None, :] & (blk[None, :] == blk[:, None]) \
+        & (slot[None, :] == slot[:, None])
+    keep = stash & (tl.max(later.to(tl.int32), axis=1) == 0)
+    k_rows = tl.load(key_ptr + key_row[:, None] + d[None, :], mask=keep[:, None])
+    g_rows = tl.load(g_ptr + g_row[:, None] + d[None, :], mask=keep[:, None])
     # completions (at most ceil(next_n / P) per request): each reads the ring as it was
     # before the step or this step's earlier tokens, so all ring reads precede the stash
     for j in range(0, next_n):
@@ -102,13 +112,9 @@ def _decode_update_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
                            g_ptr, g_sb, g_st, ape_ptr, ape_stride, b, j, t, pos, blk, stash, loc, ring_base, d,
                            P, RING, PAGE, PRESHUFFLE, FP8_MAX, FNUZ, ROUND_SCALE)
     tl.debug_barrier()
-    # stash: the last token of the step aimed at each (block, ring slot) wins
-    slot = pos % RING
-    later = (t[None, :] > t[:, None]) & stash[None, :] & (blk[None, :] == blk[:, None]) \
-        & (slot[None, :] == slot[:, None])
-    keep = stash & (tl.max(later.to(tl.int32), axis=1) == 0)
-    _jit.copy_rows_to_ring(tail_ptr, tail_head, ring_base + slot * 128, key_ptr, key_row, g_ptr, g_row, keep, d)
-
+    dst = (ring_base + slot * 128)[:, None] + d[None, :]
+    tl.store(tail_ptr + dst, k_rows, mask=keep[:, None])
+    tl.store(tail_ptr + tail_head + dst, g_rows, mask=keep[:, None])
 
 def kpool_decode_update_and_maybe_write_cache_batched(kv_cache, tail_kv_cache, tail_slot_mapping, key, slot_score,
                                                       ape, slot_mapping, positions, pool_size, head_dim=HEAD_DIM,
@@ -164,6 +170,6 @@ def kpool_decode_update_and_maybe_write_cache_batched(kv_cache, tail_kv_cache, t
         positions, *positions.stride(), next_n,
         P=pool_size, RING=ring, PAGE=kv_cache.shape[1], NB=triton.next_power_of_2(next_n),
         PRESHUFFLE=layout == "preshuffle", FP8_MAX=fp8_max(fp8_dtype), FNUZ=fp8_dtype == torch.float8_e4m3fnuz,
-        ROUND_SCALE=round_scale, num_warps=1, enable_fp_fusion=False,
+        ROUND_SCALE=round_scale, num_warps=DECODE_WARPS, enable_fp_fusion=False,
     )
     return None

@@ -20,8 +20,9 @@ from .._checks import INT_DTYPES, check_index_range, check_pool_size, check_tens
 # Mapping modes of ``_map_tokens``.
 MAP_NONE, MAP_PAGE_TABLE, MAP_OFFSETS = 0, 1, 2
 
-TILE_ELEMS = 1024   # output int32 per row per program of the expansion / copy kernels
-ROWS_PER_PROG = 4   # rows per program (unrolled: several independent loads in flight)
+TILE_ELEMS = 2048   # output int32 per row per program of the expansion / copy kernels
+ROWS_PER_PROG = 2   # rows per program (H200 sweep: 2 rows x 2048-int tiles, 4 warps best)
+EXPAND_WARPS = 4    # warps of the fused expand kernel
 TAIL_MAX_BLOCK = 512
 FLAT_BLOCK = 1024   # elements per program of the 1-D kernels
 
@@ -217,7 +218,7 @@ def launch_expand_pools(ids, valid, seq_lens, out, pool_size, page_table=None, t
         seq_lens if seq_lens is not None else ids, seq_lens.stride(0) if seq_lens is not None else 0, out, out.stride(0),
         mptr, ms0, ms1, mcols, rows, n_pools, n_tail,
         P=pool_size, PB=pb, BLOCK_POOLS=block_pools, ROWS=ROWS_PER_PROG, TAIL_BLOCK=_tail_block(n_tail),
-        HAS_VALID=valid is not None, HAS_TAIL=seq_lens is not None, MAP=mode,
+        HAS_VALID=valid is not None, HAS_TAIL=seq_lens is not None, MAP=mode, num_warps=EXPAND_WARPS,
     )
 
 

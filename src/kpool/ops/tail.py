@@ -54,22 +54,22 @@ def _seed_requests_kernel(tail_ptr, tail_block_stride, tail_head, key_ptr, key_s
 
 
 def seed_rows(tslot, ring, num_ring_slots, kpool):
-    """bool ``[n]``: the rows to seed, each block's last ``kpool`` valid rows (device ops, no sync).
+    """bool ``[n]``: the rows to seed (device ops, no host sync, graph-capturable).
 
-    A row is valid when ``0 <= tslot < num_ring_slots``; its block is ``tslot // RING``.
-    Padding may sit anywhere, also inside a request.
+    The seed's rule on the batch with its padding removed: a valid row (``0 <= tslot <
+    num_ring_slots``) is seeded unless the valid row ``kpool`` valid rows later is in the same
+    block (``tslot // RING``). With each request's rows contiguous, that is its last ``kpool``
+    valid tokens, wherever padding sits.
     """
     ts = tslot.to(torch.int64)
     n = ts.numel()
     valid = (ts >= 0) & (ts < num_ring_slots)
-    block = torch.where(valid, torch.div(ts, ring, rounding_mode="floor"), num_ring_slots)
-    idx = torch.arange(n, device=ts.device)
-    order = torch.argsort(block * n + (n - 1 - idx))  # grouped by block, latest row first
-    grouped = block[order]
-    rank = idx - torch.searchsorted(grouped, grouped)  # 0 for a block's latest valid row
-    take = torch.empty_like(valid)
-    take[order] = valid[order] & (rank < kpool)
-    return take
+    block = torch.div(ts, ring, rounding_mode="floor")
+    rank = torch.cumsum(valid, 0) - 1  # rank among the valid rows
+    packed = torch.full((n + kpool + 1,), -1, dtype=torch.int64, device=ts.device)
+    packed.scatter_(0, torch.where(valid, rank, n + kpool), torch.where(valid, block, -1))  # block by rank
+    ahead = packed[(rank + kpool).clamp(0, n + kpool)]
+    return valid & (ahead != block)
 
 
 def kpool_seed_tail_cache(tail_kv_cache, key, gate_score, tslot, kpool, head_dim=HEAD_DIM):
