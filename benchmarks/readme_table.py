@@ -18,9 +18,11 @@ from pathlib import Path
 
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 # Which of our implementations each op's main table shows, in order.
-PRIMARY = {"compress": ["ours"], "prefill": ["ours"], "expand": ["ours"], "seed_tail": ["ours_per_request", "ours"]}
+PRIMARY = {"compress": ["ours"], "prefill": ["ours"], "expand": ["ours"], "seed_tail": ["ours_per_request", "ours"],
+           "score": ["ours"]}
 OP_NAMES = {"compress": "compress + write", "prefill": "prefill write (token-major)",
-            "expand": "expand pools + append tail", "seed_tail": "ring seeding", "decode": "decode / verify update"}
+            "expand": "expand pools + append tail", "seed_tail": "ring seeding", "decode": "decode / verify update",
+            "score": "score + select (indexer)"}
 IMPL_NAMES = {"ours": "ours", "ours_per_request": "ours (per request)", "ours_ring2P": "ours, RING=2P"}
 
 

@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     demo = sub.add_parser("demo", help="serving session through KPoolCache, checked against the oracle")
     demo.add_argument("--requests", type=int, default=8)
-    demo.add_argument("--max-prompt", type=int, default=3000)
+    demo.add_argument("--max-prompt", type=int, default=6000)
     demo.add_argument("--decode-steps", type=int, default=48)
     demo.add_argument("--max-spec-tokens", type=int, default=3)
     demo.add_argument("--seed", type=int, default=0)
