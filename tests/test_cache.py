@@ -81,8 +81,9 @@ def note(label):
 
 def same_bytes(a, b, what):
     """``assert_bytes_equal`` with a fast path for the (usual) equal case."""
+    a, b = a.detach().cpu(), b.detach().cpu()
     if a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-            a.detach().contiguous().view(torch.uint8), b.detach().contiguous().view(torch.uint8)):
+            a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)):
         return
     assert_bytes_equal(a, b, what)
 
