@@ -24,9 +24,11 @@ Spec (``KernelSpec``): the argument types plus the constexpr cases to compile.
   cases allow (greedy pairwise cover). A case value may set any parameter: a constexpr's
   value, a runtime argument's type (``"*i64"``, ``"i64"``), or an int for a runtime
   argument the JIT specializes to a constant (Triton turns an int argument equal to 1 into a
-  constexpr). Keys starting with ``_`` are options of the matrix (``_hints``).
-* ``fixed``: constexprs common to every case; ``options``: compile options (the launcher's,
-  e.g. ``enable_fp_fusion=False``).
+  constexpr).
+* ``fixed``: constexprs common to every case; ``derive``: ``case -> dict`` of parameters the
+  launcher computes from others (e.g. the tile size from P; reuse the launcher's own helpers
+  and constants); ``options``: the launcher's compile options (``num_warps``,
+  ``enable_fp_fusion=False``). Keys starting with ``_`` are dropped after ``derive``.
 * Tiers: ``full`` multiplies every ``cross`` axis (the product the launchers can reach);
   ``ci`` (default) multiplies the first ``ci_cross`` of them and spreads the others like
   ``cycle`` axes (CI runs on two CPU cores).
@@ -99,6 +101,7 @@ class KernelSpec:
     fixed: dict = dataclasses.field(default_factory=dict)
     options: dict = dataclasses.field(default_factory=dict)
     ci_cross: int = 1
+    derive: object = None  # optional case -> dict of more parameters (launcher-computed constexprs)
 
 
 def axis(name, values):
@@ -173,7 +176,8 @@ def _compress_specs(m):
         cycle=(flag("ROUND_SCALE"), flag("HAS_MASK"), _PAGE,
                [dict(WRITE_CACHE=True, RETURN_COMPRESSED=False), dict(WRITE_CACHE=False, RETURN_COMPRESSED=True),
                 dict(WRITE_CACHE=True, RETURN_COMPRESSED=True)]),
-        fixed=dict(BN=m.BLOCK_POOLS), options=dict(enable_fp_fusion=False, num_warps=m.NUM_WARPS))}
+        derive=lambda c: dict(BN=m.BLOCK_POOLS.get(c["P"], 1)),  # as launch_compress on a GPU
+        options=dict(enable_fp_fusion=False, num_warps=m.NUM_WARPS))}
 
 
 def _decode_specs(m):
@@ -183,7 +187,7 @@ def _decode_specs(m):
                   ts_ptr="i64", loc_ptr="i64", pos_ptr="i64"),
         cross=(pool_ring_axis(), layout_axis(), fp8_axis("FP8_MAX", "FNUZ")),
         cycle=(steps, flag("ROUND_SCALE"), _PAGE, int_ptr_axis("ts_ptr", "loc_ptr", "pos_ptr")),
-        options=dict(enable_fp_fusion=False))}
+        options=dict(enable_fp_fusion=False, num_warps=m.DECODE_WARPS))}
 
 
 def _tail_specs(m):
@@ -230,13 +234,16 @@ def _select_specs(m):
         "_expand_pools_kernel": KernelSpec(
             ptrs=dict(ids_ptr="i32", valid_ptr="i1", seq_ptr="i32", out_ptr="i32", map_ptr="i32"),
             cross=([dict(P=p, PB=p) for p in _pool_sizes()], maps),
-            cycle=(flag("HAS_VALID"), flag("HAS_TAIL"), axis("BLOCK_POOLS", (16, m.TILE_ELEMS // 4)),
-                   tail_blocks, int_ptr_axis("ids_ptr", "seq_ptr", "map_ptr")),
-            fixed=dict(ROWS=m.ROWS_PER_PROG)),
+            # BLOCK_POOLS: few pools (16) or a full tile (launch_expand_pools' cap TILE_ELEMS // PB)
+            cycle=(flag("HAS_VALID"), flag("HAS_TAIL"), axis("_tile", ("small", "full")), tail_blocks,
+                   int_ptr_axis("ids_ptr", "seq_ptr", "map_ptr")),
+            derive=lambda c: dict(BLOCK_POOLS=16 if c["_tile"] == "small" else max(1, m.TILE_ELEMS // c["PB"])),
+            fixed=dict(ROWS=m.ROWS_PER_PROG), options=dict(num_warps=m.EXPAND_WARPS)),
         "_append_tail_kernel": KernelSpec(
             ptrs=dict(src_ptr="i32", seq_ptr="i32", plen_ptr="i32", out_ptr="i32", map_ptr="i32"),
             cross=(pool_axis(), maps),
-            cycle=(axis("BLOCK_COLS", (64, m.TILE_ELEMS)), tail_blocks, int_ptr_axis("seq_ptr", "plen_ptr", "map_ptr")),
+            cycle=(axis("BLOCK_COLS", (64, m.TILE_ELEMS)), int_ptr_axis("seq_ptr", "plen_ptr", "map_ptr")),
+            derive=lambda c: dict(TAIL_BLOCK=m._tail_block(c["P"] - 1)),  # n_tail = P - 1
             fixed=dict(ROWS=m.ROWS_PER_PROG)),
         "_pooled_page_table_kernel": KernelSpec(
             ptrs=dict(src_ptr="i32", out_ptr="i32"),
@@ -475,6 +482,20 @@ def _jobs_for(name, mod, fn, spec, targets, tier):
     for case in _cases(spec, tier, name):
         case = {**spec.fixed, **case}
         hints = case.pop("_hints")
+        label = _label({k: v for k, v in case.items() if k not in spec.fixed} | {"_hints": hints})
+        if spec.derive is not None:
+            try:
+                more = dict(spec.derive(case))
+            except Exception as e:  # noqa: BLE001 - re-raised with the kernel named
+                raise AotSpecError(f"AOT spec of {name}: derive failed on {label}: {type(e).__name__}: {e}") from e
+            if set(more) & set(case):
+                raise AotSpecError(f"AOT spec of {name}: derive sets {sorted(set(more) & set(case))} again")
+            case.update(more)
+            label = _label({k: v for k, v in case.items() if k not in spec.fixed} | {"_hints": hints})
+        case = {k: v for k, v in case.items() if not k.startswith("_")}
+        bad = {k: v for k, v in case.items() if not isinstance(v, (bool, int, float, str))}
+        if bad:
+            raise AotSpecError(f"AOT spec of {name}: values must be bool/int/float/str, got {bad}")
         unknown = [k for k in case if k not in names]
         if unknown:
             raise AotSpecError(f"AOT spec of {name}: {unknown} are not arguments of the kernel")
@@ -494,7 +515,6 @@ def _jobs_for(name, mod, fn, spec, targets, tier):
                 raise AotSpecError(f"AOT spec of {name}: pointer argument {p} has no type (add it to ptrs)")
             else:
                 signature[p] = "i32"
-        label = _label({k: v for k, v in case.items() if k not in spec.fixed} | {"_hints": hints})
         for target in targets:
             jobs.append(AotJob(name, mod.__name__, target, signature, constexprs, hints, dict(spec.options), label))
     return jobs
