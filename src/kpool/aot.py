@@ -1,4 +1,4 @@
-"""Ahead-of-time compile matrix: every Triton kernel of ``kpool.ops`` for every GPU target.
+"""Ahead-of-time compile matrix: every Triton kernel of kpool for every GPU target, on a CPU.
 
 No GPU is needed: ``triton.compile(ASTSource(...), target=GPUTarget(...))`` runs the whole
 pipeline on the CPU with the tools shipped in the triton wheel (``ptxas`` /
@@ -33,9 +33,9 @@ Spec (``KernelSpec``): the argument types plus the constexpr cases to compile.
   ``ci`` (default) multiplies the first ``ci_cross`` of them and spreads the others like
   ``cycle`` axes (CI runs on two CPU cores).
 
-Every case is compiled twice over the alignment facts the JIT may know (cycled): ``aligned``
+One more cycled axis, ``_hints``, gives the alignment facts the JIT may know: ``aligned``
 (every pointer and int divisible by 16, and on hip every pointer within 2 GB: buffer ops)
-and ``none``.
+or ``none``; every kernel meets both on every target.
 
 Compilation runs in worker processes with ``TRITON_INTERPRET`` off, a fresh
 ``TRITON_CACHE_DIR`` (real compiles, nothing reused) and
