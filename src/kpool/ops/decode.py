@@ -30,6 +30,19 @@ def _pick(t, j, v):
 
 
 @triton.jit
+def _slot_source(s, j, t, pos, blk, stash, pj, bj, one, P: tl.constexpr, RING: tl.constexpr):
+    # Slot s of the pool completed by row j (position pj, block bj): its ring slot, and the step
+    # row holding its token ([1] int64; -1: read the ring as it was before the step).
+    want = (pj - (P - 1) + s) % RING
+    if s == P - 1:
+        src = one + j
+    else:
+        cand = (t < j) & stash & (blk == bj) & (pos % RING == want)
+        src = one + tl.max(tl.where(cand, t, -1))
+    return want, src
+
+
+@triton.jit
 def _complete_pool(kv_ptr, kv_f32_ptr, page_stride, tail_ptr, tail_head, key_ptr, key_sb, key_st,
                    g_ptr, g_sb, g_st, ape_ptr, ape_stride, b, j, t, pos, blk, stash, loc, ring_base, d,
                    P: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr, PRESHUFFLE: tl.constexpr,
@@ -44,24 +57,14 @@ def _complete_pool(kv_ptr, kv_f32_ptr, page_stride, tail_ptr, tail_head, key_ptr
     base = _pick(t, j, ring_base)
     top = tl.full((1, 128), float("-inf"), tl.float32)
     for s in tl.static_range(P):
-        want = (pj - (P - 1) + s) % RING
-        if s == P - 1:
-            src = one + j
-        else:
-            cand = (t < j) & stash & (blk == bj) & (pos % RING == want)
-            src = one + tl.max(tl.where(cand, t, -1))
+        want, src = _slot_source(s, j, t, pos, blk, stash, pj, bj, one, P, RING)
         g = _jit.load_slot(g_ptr, one + b * g_sb + tl.maximum(src, 0) * g_st, tail_ptr,
                            one + base + want * 128 + tail_head, src < 0, live, d, True)
         top = tl.maximum(top, _jit.slot_logit(g, ape_ptr, ape_stride, s, d))
     acc = tl.zeros((1, 128), tl.float32)
     den = tl.zeros((1, 128), tl.float32)
     for s in tl.static_range(P):
-        want = (pj - (P - 1) + s) % RING
-        if s == P - 1:
-            src = one + j
-        else:
-            cand = (t < j) & stash & (blk == bj) & (pos % RING == want)
-            src = one + tl.max(tl.where(cand, t, -1))
+        want, src = _slot_source(s, j, t, pos, blk, stash, pj, bj, one, P, RING)
         in_ring = src < 0
         g = _jit.load_slot(g_ptr, one + b * g_sb + tl.maximum(src, 0) * g_st, tail_ptr,
                            one + base + want * 128 + tail_head, in_ring, live, d, True)
