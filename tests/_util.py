@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from kpool.layout import HEAD_DIM
+
 
 def random_bytes_like(shape, device, seed: int) -> torch.Tensor:
     """A uint8 tensor of ``shape`` filled with reproducible random bytes (made on the CPU)."""
@@ -39,3 +41,37 @@ def assert_bytes_equal(a: torch.Tensor, b: torch.Tensor, what: str, max_report: 
             where += f" index {tuple(reversed(idx))}"
         lines.append(f"  {where}: {int(ab[off])} != {int(bb[off])}")
     raise AssertionError(f"{what}: {diff.numel()} of {ab.numel()} bytes differ; first at\n" + "\n".join(lines))
+
+
+def make_tail(num_blocks, ring, device, seed, block_pad=0, head_pad=0, fill=None):
+    """Base bf16 buffer (random, or ``fill``) and a ``[num_blocks, 2, ring, 128]`` view with
+    head stride ``(ring+head_pad)*128`` and block stride ``2*head + block_pad``, starting one
+    block into the buffer (guard blocks before and after catch writes outside the view)."""
+    head = (ring + head_pad) * HEAD_DIM
+    block = 2 * head + block_pad
+    n = (num_blocks + 2) * block  # one guard block before and after the view
+    if fill is None:
+        g = torch.Generator().manual_seed(seed)
+        base = torch.randn(n, generator=g).to(torch.bfloat16)
+    else:
+        base = torch.full((n,), fill, dtype=torch.bfloat16)
+    base = base.to(device)
+    return base, view_tail(base, num_blocks, ring, block_pad, head_pad)
+
+
+def view_tail(base, num_blocks, ring, block_pad=0, head_pad=0):
+    """The ``[num_blocks, 2, ring, 128]`` ring view of ``make_tail``'s base buffer."""
+    head = (ring + head_pad) * HEAD_DIM
+    block = 2 * head + block_pad
+    return torch.as_strided(base, (num_blocks, 2, ring, HEAD_DIM), (block, head, HEAD_DIM, 1), block)
+
+
+def strided_copy(t, dim=-1):
+    """Same values, stride 2 along ``dim`` (non-unit inner stride when dim=-1)."""
+    shape = list(t.shape)
+    shape[dim] *= 2
+    big = torch.zeros(shape, dtype=t.dtype, device=t.device)
+    idx = [slice(None)] * t.ndim
+    idx[dim] = slice(None, None, 2)
+    big[tuple(idx)] = t
+    return big[tuple(idx)]

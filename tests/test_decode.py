@@ -20,7 +20,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from _util import assert_bytes_equal, random_bytes_like
+from _util import assert_bytes_equal, make_tail, random_bytes_like, strided_copy, view_tail
 from kpool import kpool_compress_and_write_cache, kpool_decode_update_and_maybe_write_cache_batched
 from kpool import layout as L
 from kpool import numerics
@@ -45,22 +45,6 @@ def make_kv(num_pages, page, device, seed, pad_bytes=0, lead_pages=0):
 def view_kv(base, num_pages, page, pad_bytes=0, lead_pages=0):
     stride = page * 132 + pad_bytes
     return torch.as_strided(base, (num_pages, page, 132), (stride, 132, 1), lead_pages * stride)
-
-
-def make_tail(num_blocks, ring, device, seed, block_pad=0, head_pad=0):
-    """Random bf16 base buffer and a ``[num_blocks, 2, ring, 128]`` view of it with block
-    stride ``2*(ring+head_pad)*128 + block_pad`` and head stride ``(ring+head_pad)*128``,
-    starting one block into the buffer (guard blocks before and after catch stray writes)."""
-    head = (ring + head_pad) * D
-    block = 2 * head + block_pad
-    g = torch.Generator().manual_seed(seed)
-    base = torch.randn((num_blocks + 2) * block, generator=g).to(torch.bfloat16).to(device)
-    return base, view_tail(base, num_blocks, ring, block_pad, head_pad)
-
-
-def view_tail(base, num_blocks, ring, block_pad=0, head_pad=0):
-    head = (ring + head_pad) * D
-    return torch.as_strided(base, (num_blocks, 2, ring, D), (2 * head + block_pad, head, D, 1), 2 * head + block_pad)
 
 
 def bf16_randn(shape, gen, scale=1.0):
@@ -542,17 +526,6 @@ def _valid_args(device, P=4, ring=8, page=32, B=2, n=3):
                 slot_mapping=loc, positions=pos, pool_size=P)
 
 
-def _strided(t, dim=-1):
-    """Same values, stride 2 along ``dim`` (non-unit inner stride when dim=-1)."""
-    shape = list(t.shape)
-    shape[dim] *= 2
-    big = torch.zeros(shape, dtype=t.dtype, device=t.device)
-    idx = [slice(None)] * t.ndim
-    idx[dim] = slice(None, None, 2)
-    big[tuple(idx)] = t
-    return big[tuple(idx)]
-
-
 BAD = [
     # (id, mutate(args, device) -> kwargs-updates, error type, message regex)
     ("key-dtype", lambda a, dv: {"key": a["key"].float()}, TypeError, "key"),
@@ -587,14 +560,14 @@ BAD = [
     ("ring-smaller-than-P", lambda a, dv: {"tail_kv_cache": torch.zeros((3, 2, 8, D), dtype=torch.bfloat16,
                                                                         device=dv), "pool_size": 16,
                                            "ape": torch.zeros((16, D), device=dv)}, ValueError, "ring"),
-    ("key-inner-stride", lambda a, dv: {"key": _strided(a["key"])}, ValueError, "key"),
-    ("slot_score-inner-stride", lambda a, dv: {"slot_score": _strided(a["slot_score"])}, ValueError, "slot_score"),
-    ("ape-inner-stride", lambda a, dv: {"ape": _strided(a["ape"])}, ValueError, "ape"),
-    ("kv_cache-inner-stride", lambda a, dv: {"kv_cache": _strided(a["kv_cache"])}, ValueError, "kv_cache"),
-    ("kv_cache-row-stride", lambda a, dv: {"kv_cache": _strided(a["kv_cache"], 1)}, ValueError, "kv_cache"),
-    ("tail-inner-stride", lambda a, dv: {"tail_kv_cache": _strided(a["tail_kv_cache"])}, ValueError,
+    ("key-inner-stride", lambda a, dv: {"key": strided_copy(a["key"])}, ValueError, "key"),
+    ("slot_score-inner-stride", lambda a, dv: {"slot_score": strided_copy(a["slot_score"])}, ValueError, "slot_score"),
+    ("ape-inner-stride", lambda a, dv: {"ape": strided_copy(a["ape"])}, ValueError, "ape"),
+    ("kv_cache-inner-stride", lambda a, dv: {"kv_cache": strided_copy(a["kv_cache"])}, ValueError, "kv_cache"),
+    ("kv_cache-row-stride", lambda a, dv: {"kv_cache": strided_copy(a["kv_cache"], 1)}, ValueError, "kv_cache"),
+    ("tail-inner-stride", lambda a, dv: {"tail_kv_cache": strided_copy(a["tail_kv_cache"])}, ValueError,
      "tail_kv_cache"),
-    ("tail-row-stride", lambda a, dv: {"tail_kv_cache": _strided(a["tail_kv_cache"], 2)}, ValueError,
+    ("tail-row-stride", lambda a, dv: {"tail_kv_cache": strided_copy(a["tail_kv_cache"], 2)}, ValueError,
      "tail_kv_cache"),
     ("key-device", lambda a, dv: {"key": a["key"].to("meta"), "slot_score": a["slot_score"].to("meta")},
      ValueError, "device|meta"),

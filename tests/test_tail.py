@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from _util import assert_bytes_equal
+from _util import assert_bytes_equal, make_tail, strided_copy, view_tail
 from kpool import kpool_seed_tail_cache
 from kpool.ops.tail import seed_requests
 
@@ -24,27 +24,6 @@ D = 128
 
 
 # --------------------------------------------------------------------------- buffers / oracles
-
-def make_tail(num_blocks, ring, device, seed, block_pad=0, head_pad=0, fill=None):
-    """Base bf16 buffer (random, or ``fill``) and a ``[num_blocks, 2, ring, 128]`` view with
-    head stride ``(ring+head_pad)*128`` and block stride ``2*head + block_pad``, starting one
-    block into the buffer (guard blocks before and after catch writes outside the view)."""
-    head = (ring + head_pad) * D
-    block = 2 * head + block_pad
-    n = (num_blocks + 2) * block  # one guard block before and after the view
-    if fill is None:
-        g = torch.Generator().manual_seed(seed)
-        base = torch.randn(n, generator=g).to(torch.bfloat16)
-    else:
-        base = torch.full((n,), fill, dtype=torch.bfloat16)
-    base = base.to(device)
-    return base, view_tail(base, num_blocks, ring, block_pad, head_pad)
-
-
-def view_tail(base, num_blocks, ring, block_pad=0, head_pad=0):
-    head = (ring + head_pad) * D
-    return torch.as_strided(base, (num_blocks, 2, ring, D), (2 * head + block_pad, head, D, 1), 2 * head + block_pad)
-
 
 def rows_view(x, device, pad=0):
     """``x [n, 128]`` on ``device``, as a view with row stride ``128 + pad`` when ``pad``."""
@@ -348,16 +327,6 @@ def _valid(device, ring=8, n=5):
     return dict(tail_kv_cache=tail, key=key, gate_score=key.clone(), tslot=tslot, kpool=4)
 
 
-def _strided(t, dim=-1):
-    shape = list(t.shape)
-    shape[dim] *= 2
-    big = torch.zeros(shape, dtype=t.dtype, device=t.device)
-    idx = [slice(None)] * t.ndim
-    idx[dim] = slice(None, None, 2)
-    big[tuple(idx)] = t
-    return big[tuple(idx)]
-
-
 def _bf16(shape, dv):
     return torch.zeros(shape, dtype=torch.bfloat16, device=dv)
 
@@ -378,12 +347,12 @@ SEED_BAD = [
     ("tail-dim", lambda a, dv: {"tail_kv_cache": _bf16((3, 2, 8, 64), dv)}, ValueError, "tail_kv_cache"),
     ("ring-not-multiple-of-P", lambda a, dv: {"tail_kv_cache": _bf16((3, 2, 6, D), dv)}, ValueError, "ring"),
     ("ring-smaller-than-P", lambda a, dv: {"kpool": 16}, ValueError, "ring"),
-    ("tail-inner-stride", lambda a, dv: {"tail_kv_cache": _strided(a["tail_kv_cache"])}, ValueError,
+    ("tail-inner-stride", lambda a, dv: {"tail_kv_cache": strided_copy(a["tail_kv_cache"])}, ValueError,
      "tail_kv_cache"),
-    ("tail-row-stride", lambda a, dv: {"tail_kv_cache": _strided(a["tail_kv_cache"], 2)}, ValueError,
+    ("tail-row-stride", lambda a, dv: {"tail_kv_cache": strided_copy(a["tail_kv_cache"], 2)}, ValueError,
      "tail_kv_cache"),
-    ("key-inner-stride", lambda a, dv: {"key": _strided(a["key"])}, ValueError, "key"),
-    ("gate_score-inner-stride", lambda a, dv: {"gate_score": _strided(a["gate_score"])}, ValueError, "gate_score"),
+    ("key-inner-stride", lambda a, dv: {"key": strided_copy(a["key"])}, ValueError, "key"),
+    ("gate_score-inner-stride", lambda a, dv: {"gate_score": strided_copy(a["gate_score"])}, ValueError, "gate_score"),
     ("gate_score-device", lambda a, dv: {"gate_score": a["gate_score"].to("meta")}, ValueError, "gate_score"),
     ("tslot-device", lambda a, dv: {"tslot": a["tslot"].to("meta")}, ValueError, "tslot"),
     ("tail-device", lambda a, dv: {"tail_kv_cache": a["tail_kv_cache"].to("meta")}, ValueError, "tail_kv_cache"),
