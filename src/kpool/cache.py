@@ -140,8 +140,21 @@ class KPoolCache:
 
     def pool_slot(self, request_id, pool: int) -> int:
         """Flat cache slot of a request's pool ``pool`` (its page must be allocated)."""
-        req = self._get(request_id)
-        return req.pages[pool // self.page_size] * self.page_size + pool % self.page_size
+        return int(self._pool_locs(self._get(request_id), torch.tensor([pool]))[0])
+
+    def _pool_locs(self, req: _Request, pools: torch.Tensor) -> torch.Tensor:
+        """Flat cache slots (int64, CPU) of pool indices ``pools`` (int64, CPU) of ``req``."""
+        pages = torch.tensor(req.pages, dtype=torch.int64)
+        return pages[pools // self.page_size] * self.page_size + pools % self.page_size
+
+    def _token_slots(self, req: _Request, a: int, b: int):
+        """Positions ``[a, b)`` of ``req`` with their ``slot_mapping`` and ``tail_slot_mapping`` (int64, CPU)."""
+        p = self.pool_size
+        pos = torch.arange(a, b, dtype=torch.int64)
+        completes = pos % p == p - 1
+        slots = torch.full_like(pos, -1)
+        slots[completes] = self._pool_locs(req, pos[completes] // p)
+        return pos, slots, req.block * self.ring + pos % self.ring
 
     def page_table(self, request_ids) -> torch.Tensor:
         """int32 ``[R, max_pages]`` pages of each request (pool granularity, -1 padded)."""
@@ -153,10 +166,9 @@ class KPoolCache:
     def pooled_keys(self, request_id) -> tuple[torch.Tensor, torch.Tensor]:
         """Stored entries of the request's complete committed pools, in pool order:
         ``(codes [n_pools, 128] uint8, scales [n_pools] fp32)``."""
-        n_pools = self._get(request_id).length // self.pool_size
-        locs = torch.tensor([self.pool_slot(request_id, m) for m in range(n_pools)], dtype=torch.int64,
-                            device=self.device)
-        return read_entries(self.kv_cache, locs, self.layout)
+        req = self._get(request_id)
+        locs = self._pool_locs(req, torch.arange(req.length // self.pool_size, dtype=torch.int64))
+        return read_entries(self.kv_cache, locs.to(self.device), self.layout)
 
     # ------------------------------------------------------------------ lifecycle
     def free(self, request_id) -> None:
@@ -198,25 +210,26 @@ class KPoolCache:
         new_ids = [r for r in request_ids if r not in self._requests]
         starts = [self._requests[r].length if r in self._requests else 0 for r in request_ids]
         self._reserve(request_ids, new_ids, [s + n for s, n in zip(starts, lengths)])
-        p, ring = self.pool_size, self.ring
+        p = self.pool_size
         meta, locs, seeds, positions, slots, tslots = [], [], [], [], [], []
         for rid, (row0, row1), a in zip(request_ids, bounds, starts):
             req = self._requests[rid]
             b = a + (row1 - row0)
-            for m in range(a // p, b // p):
-                n_ring = max(a - m * p, 0)
-                meta.append((row0 + m * p - a, req.block, m * p, n_ring))
-                locs.append(self.pool_slot(rid, m))
-            n_keep = min(b - a, b % p)
-            seeds.append((row1, b, req.block, n_keep))
-            pos = list(range(a, b))
-            positions += pos
-            slots += [self.pool_slot(rid, q // p) if q % p == p - 1 else -1 for q in pos]
-            tslots += [req.block * ring + q % ring for q in pos]
+            pools = torch.arange(a // p, b // p, dtype=torch.int64)
+            meta.append(torch.stack((row0 + pools * p - a, torch.full_like(pools, req.block), pools * p,
+                                     torch.clamp(a - pools * p, min=0)), dim=1))
+            locs.append(self._pool_locs(req, pools))
+            seeds.append((row1, b, req.block, min(b - a, b % p)))
+            pos, slot, tslot = self._token_slots(req, a, b)
+            positions.append(pos)
+            slots.append(slot)
+            tslots.append(tslot)
             req.step_start, req.step_len, req.step_kind, req.length = a, b - a, "prefill", b
         dev = self.device
-        meta_t = torch.tensor(meta, dtype=torch.int64, device=dev).reshape(-1, 4)
-        locs_t = torch.tensor(locs, dtype=torch.int64, device=dev)
+        cat = lambda parts, width=None: (torch.cat(parts) if parts else  # noqa: E731
+                                         torch.empty((0,) if width is None else (0, width), dtype=torch.int64))
+        meta_t = cat(meta, 4).to(dev)
+        locs_t = cat(locs).to(dev)
         compress_token_pools(self.kv_cache, self.tail, key, gate, self.ape, meta_t, locs_t, p, layout=self.layout,
                              fp8_dtype=self.fp8_dtype, round_scale=self.round_scale)
         seed_requests(self.tail, key, gate, torch.tensor(seeds, dtype=torch.int64, device=dev).reshape(-1, 4), p)
@@ -224,8 +237,7 @@ class KPoolCache:
         for n in lengths:
             cu.append(cu[-1] + n)
         self.last_step = StepMetadata(
-            "prefill", list(request_ids), torch.tensor(positions, dtype=torch.int32, device=dev),
-            torch.tensor(slots, dtype=torch.int64, device=dev), torch.tensor(tslots, dtype=torch.int64, device=dev),
+            "prefill", list(request_ids), cat(positions).to(dev, torch.int32), cat(slots).to(dev), cat(tslots).to(dev),
             self.page_table(request_ids), torch.tensor(cu, dtype=torch.int32, device=dev), meta_t, locs_t)
         return self.last_step
 
@@ -261,20 +273,15 @@ class KPoolCache:
                                  f"{self.max_spec_tokens} allows {self.max_spec_tokens + 1}")
         starts = [self._requests[r].length for r in request_ids]
         self._reserve(request_ids, [], [s + n for s, n in zip(starts, counts)])
-        p, ring, width = self.pool_size, self.ring, key.shape[1]
-        pos_rows, slot_rows, ts_rows = [], [], []
-        for rid, a, n in zip(request_ids, starts, counts):
+        p, width = self.pool_size, key.shape[1]
+        grid = torch.full((3, len(request_ids), width), -1, dtype=torch.int64)  # positions, slots, tail slots
+        for i, (rid, a, n) in enumerate(zip(request_ids, starts, counts)):
             req = self._requests[rid]
-            pos = list(range(a, a + n))
-            pad = [-1] * (width - n)
-            pos_rows.append(pos + pad)
-            slot_rows.append([self.pool_slot(rid, q // p) if q % p == p - 1 else -1 for q in pos] + pad)
-            ts_rows.append([req.block * ring + q % ring for q in pos] + pad)
+            for row, values in zip(grid, self._token_slots(req, a, a + n)):
+                row[i, :n] = values
             req.step_start, req.step_len, req.step_kind, req.length = a, n, "decode", a + n
-        dev, shape = self.device, (len(request_ids), width)
-        positions = torch.tensor(pos_rows, dtype=torch.int32, device=dev).reshape(shape)
-        slot_mapping = torch.tensor(slot_rows, dtype=torch.int64, device=dev).reshape(shape)
-        tail_slots = torch.tensor(ts_rows, dtype=torch.int64, device=dev).reshape(shape)
+        grid = grid.to(self.device)
+        positions, slot_mapping, tail_slots = grid[0].to(torch.int32), grid[1], grid[2]
         kpool_decode_update_and_maybe_write_cache_batched(
             self.kv_cache, self.tail, tail_slots, key, gate, self.ape, slot_mapping, positions, p,
             round_scale=self.round_scale, layout=self.layout, fp8_dtype=self.fp8_dtype)

@@ -79,9 +79,8 @@ def launch_compress(kv_cache, k, g, k_strides, g_strides, ape, loc, n_pools, poo
     if n_pools == 0:
         return
     write = kv_cache is not None
-    cache = kv_cache if write else k
-    cache_u8 = cache.view(torch.uint8) if write else loc
-    cache_f32 = kv_cache.view(torch.float32) if write else loc
+    cache_u8 = kv_cache if write else k  # unused pointers point at k
+    cache_f32 = kv_cache.view(torch.float32) if write else k
     block = INTERPRETER_BLOCK_POOLS if interpreting() else BLOCK_POOLS.get(pool_size, 1)
     grid = (triton.cdiv(n_pools, block),)
     _compress_kernel[grid](
