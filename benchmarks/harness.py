@@ -49,7 +49,7 @@ import torch
 BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
 SCHEMA = 1
-OPS = ("compress", "prefill", "decode", "expand", "seed_tail", "score")
+OPS = ("compress", "prefill", "decode", "expand", "seed_tail", "score", "fp8")
 MODES = ("full", "quick", "dry")
 MAX_SETS = 64
 TARGET_REPLAY_US = {"full": 1000.0, "quick": 500.0, "dry": 0.0}

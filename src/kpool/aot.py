@@ -176,6 +176,7 @@ def _compress_specs(m):
         cycle=(flag("ROUND_SCALE"), flag("HAS_MASK"), _PAGE,
                [dict(WRITE_CACHE=True, RETURN_COMPRESSED=False), dict(WRITE_CACHE=False, RETURN_COMPRESSED=True),
                 dict(WRITE_CACHE=True, RETURN_COMPRESSED=True)]),
+        fixed=dict(NATIVE_FP8=False),  # the default software encoder (_backend.native_fp8)
         derive=lambda c: dict(BN=m.BLOCK_POOLS.get(c["P"], 1)),  # as launch_compress on a GPU
         options=dict(enable_fp_fusion=False, num_warps=m.NUM_WARPS))}
 
@@ -187,7 +188,7 @@ def _decode_specs(m):
                   ts_ptr="i64", loc_ptr="i64", pos_ptr="i64"),
         cross=(pool_ring_axis(), layout_axis(), fp8_axis("FP8_MAX", "FNUZ")),
         cycle=(steps, flag("ROUND_SCALE"), _PAGE, int_ptr_axis("ts_ptr", "loc_ptr", "pos_ptr")),
-        options=dict(enable_fp_fusion=False, num_warps=m.DECODE_WARPS))}
+        fixed=dict(NATIVE_FP8=False), options=dict(enable_fp_fusion=False, num_warps=m.DECODE_WARPS))}
 
 
 def _tail_specs(m):
@@ -206,7 +207,7 @@ def _quant_specs(m):
     return {"_fwht_quant_kernel": KernelSpec(
         ptrs=dict(q_ptr="bf16", codes_ptr="u8", scale_ptr="fp32"),
         cross=(fp8_axis("FP8_MAX", "FNUZ"),), cycle=(flag("ROUND_SCALE"),),
-        fixed=dict(BR=m.BLOCK_ROWS), options=dict(enable_fp_fusion=False))}
+        fixed=dict(BR=m.BLOCK_ROWS, NATIVE_FP8=False), options=dict(enable_fp_fusion=False))}
 
 
 def _logits_specs(m):

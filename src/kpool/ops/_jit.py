@@ -108,11 +108,27 @@ def fp8_encode(x, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr):
 
 
 @triton.jit
-def quantize(y, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr, ROUND_SCALE: tl.constexpr):
+def fp8_encode_native(x, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr):
+    """``fp8_encode`` through Triton's conversion (targets that have it for the format)."""
+    y = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
+    if FNUZ:
+        code = y.to(tl.float8e4b8).to(tl.uint8, bitcast=True)
+        code = tl.where(x != x, 0x80, code)
+    else:
+        code = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        # NaN keeps its sign (torch's rule; PTX cvt would give 0x7F for every NaN)
+        code = tl.where(x != x, 0x7F | ((x.to(tl.uint32, bitcast=True) >> 31) << 7), code.to(tl.uint32)).to(tl.uint8)
+    return code
+
+
+@triton.jit
+def quantize(y, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr, ROUND_SCALE: tl.constexpr,
+             NATIVE_FP8: tl.constexpr = False):
     """Per-row fp8 of a bf16-exact ``[BN, 128]`` fp32 tile -> (codes uint8 [BN,128], scale [BN]).
 
     With power-of-two scales ``y / scale`` is computed as ``y * 2^-e``: both are the
     correctly rounded value of the same real number, so the bits equal ``div_rn``'s.
+    ``NATIVE_FP8``: encode with the target's conversion (same bytes) instead of integer ops.
     """
     amax = tl.max(tl.abs(y), axis=1)
     scale = quant_scale(amax, 1.0 / FP8_MAX, ROUND_SCALE)
@@ -121,7 +137,11 @@ def quantize(y, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr, ROUND_SCALE: tl.const
         q = y * inv[:, None]
     else:
         q = tl.math.div_rn(y, scale[:, None])
-    return fp8_encode(q, FP8_MAX, FNUZ), scale
+    if NATIVE_FP8:
+        codes = fp8_encode_native(q, FP8_MAX, FNUZ)
+    else:
+        codes = fp8_encode(q, FP8_MAX, FNUZ)
+    return codes, scale
 
 
 @triton.jit

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .._backend import backend_for, interpreting
+from .._backend import backend_for, interpreting, native_fp8
 from .._checks import (INT_DTYPES, check_head_dim, check_index_range, check_kv_cache, check_pool_size,
                        check_tensor)
 from ..layout import HEAD_DIM, fp8_max, resolve_fp8_dtype, resolve_layout
@@ -35,7 +35,7 @@ def _compress_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
                      P: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr, BN: tl.constexpr,
                      PRESHUFFLE: tl.constexpr, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr,
                      ROUND_SCALE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_META: tl.constexpr,
-                     WRITE_CACHE: tl.constexpr, RETURN_COMPRESSED: tl.constexpr):
+                     WRITE_CACHE: tl.constexpr, RETURN_COMPRESSED: tl.constexpr, NATIVE_FP8: tl.constexpr):
     # One program per BN pools. Pool i's slot s is at k_ptr + base_i*k_pool_stride + s*k_slot_stride
     # (base_i = i, or meta[i, 0] = its first token row when HAS_META; leading meta[i, 3] slots
     # then come from ring block meta[i, 1] at positions meta[i, 2] + s).
@@ -56,7 +56,7 @@ def _compress_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
     x = _jit.pool_vector(k_ptr, g_ptr, row * k_pool_stride, row * g_pool_stride, k_slot_stride, g_slot_stride,
                          ring_ptr, ring_off, ring_head, pos0, n_ring, ape_ptr, ape_stride, d, live,
                          BN, P, RING, HAS_META)
-    codes, scale = _jit.quantize(_jit.rotate(x, BN), FP8_MAX, FNUZ, ROUND_SCALE)
+    codes, scale = _jit.quantize(_jit.rotate(x, BN), FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)
     if WRITE_CACHE:
         loc = tl.load(loc_ptr + i, mask=live, other=-1).to(tl.int64)
         ok = live & (loc >= 0) & (loc < num_slots)
@@ -96,7 +96,7 @@ def launch_compress(kv_cache, k, g, k_strides, g_strides, ape, loc, n_pools, poo
         PRESHUFFLE=layout == "preshuffle", FP8_MAX=fp8_max(fp8_dtype),
         FNUZ=fp8_dtype == torch.float8_e4m3fnuz, ROUND_SCALE=round_scale,
         HAS_MASK=write_mask is not None, HAS_META=meta is not None,
-        WRITE_CACHE=write, RETURN_COMPRESSED=codes is not None,
+        WRITE_CACHE=write, RETURN_COMPRESSED=codes is not None, NATIVE_FP8=native_fp8(k.device, fp8_dtype),
         num_warps=NUM_WARPS, enable_fp_fusion=False,
     )
 

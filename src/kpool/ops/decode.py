@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .._backend import backend_for
+from .._backend import backend_for, native_fp8
 from .._checks import (INT_DTYPES, check_head_dim, check_index_range, check_kv_cache, check_pool_size,
                        check_tail, check_tensor)
 from ..layout import HEAD_DIM, fp8_max, resolve_fp8_dtype, resolve_layout
@@ -46,7 +46,8 @@ def _slot_source(s, j, t, pos, blk, stash, pj, bj, one, P: tl.constexpr, RING: t
 def _complete_pool(kv_ptr, kv_f32_ptr, page_stride, tail_ptr, tail_head, key_ptr, key_sb, key_st,
                    g_ptr, g_sb, g_st, ape_ptr, ape_stride, b, j, t, pos, blk, stash, loc, ring_base, d,
                    P: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr, PRESHUFFLE: tl.constexpr,
-                   FP8_MAX: tl.constexpr, FNUZ: tl.constexpr, ROUND_SCALE: tl.constexpr):
+                   FP8_MAX: tl.constexpr, FNUZ: tl.constexpr, ROUND_SCALE: tl.constexpr,
+                   NATIVE_FP8: tl.constexpr):
     # Compress the pool completed by step row j and write it. Slot s < P-1 (position
     # pos[j] - (P-1) + s) comes from the latest earlier row of this step stashed at that ring
     # slot of the same block, else from the ring as it was before the step; slot P-1 is row j.
@@ -71,7 +72,8 @@ def _complete_pool(kv_ptr, kv_f32_ptr, page_stride, tail_ptr, tail_head, key_ptr
         k = _jit.load_slot(key_ptr, one + b * key_sb + tl.maximum(src, 0) * key_st, tail_ptr,
                            one + base + want * 128, in_ring, live, d, True)
         acc, den = _jit.pool_accumulate(acc, den, _jit.slot_logit(g, ape_ptr, ape_stride, s, d), top, k)
-    codes, scale = _jit.quantize(_jit.rotate(_jit.pool_finish(acc, den), 1), FP8_MAX, FNUZ, ROUND_SCALE)
+    codes, scale = _jit.quantize(_jit.rotate(_jit.pool_finish(acc, den), 1), FP8_MAX, FNUZ, ROUND_SCALE,
+                                 NATIVE_FP8)
     _jit.store_entries(kv_ptr, kv_f32_ptr, page_stride, one + _pick(t, j, loc), live, codes, scale, d,
                        PAGE, PRESHUFFLE)
 
@@ -84,7 +86,7 @@ def _decode_update_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
                           next_n,
                           P: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr, NB: tl.constexpr,
                           PRESHUFFLE: tl.constexpr, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr,
-                          ROUND_SCALE: tl.constexpr):
+                          ROUND_SCALE: tl.constexpr, NATIVE_FP8: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     t = tl.arange(0, NB)  # the request's tokens, in step order
     d = tl.arange(0, 128)
@@ -113,7 +115,7 @@ def _decode_update_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
         if _pick(t, j, done.to(tl.int32)) != 0:
             _complete_pool(kv_ptr, kv_f32_ptr, page_stride, tail_ptr, tail_head, key_ptr, key_sb, key_st,
                            g_ptr, g_sb, g_st, ape_ptr, ape_stride, b, j, t, pos, blk, stash, loc, ring_base, d,
-                           P, RING, PAGE, PRESHUFFLE, FP8_MAX, FNUZ, ROUND_SCALE)
+                           P, RING, PAGE, PRESHUFFLE, FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)
     tl.debug_barrier()
     dst = (ring_base + slot * 128)[:, None] + d[None, :]
     tl.store(tail_ptr + dst, k_rows, mask=keep[:, None])
@@ -173,6 +175,6 @@ def kpool_decode_update_and_maybe_write_cache_batched(kv_cache, tail_kv_cache, t
         positions, *positions.stride(), next_n,
         P=pool_size, RING=ring, PAGE=kv_cache.shape[1], NB=triton.next_power_of_2(next_n),
         PRESHUFFLE=layout == "preshuffle", FP8_MAX=fp8_max(fp8_dtype), FNUZ=fp8_dtype == torch.float8_e4m3fnuz,
-        ROUND_SCALE=round_scale, num_warps=DECODE_WARPS, enable_fp_fusion=False,
+        ROUND_SCALE=round_scale, NATIVE_FP8=native_fp8(device, fp8_dtype), num_warps=DECODE_WARPS, enable_fp_fusion=False,
     )
     return None

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .._backend import backend_for
+from .._backend import backend_for, native_fp8
 from .._checks import check_tensor
 from ..layout import HEAD_DIM, fp8_max, resolve_fp8_dtype
 from . import _jit
@@ -23,14 +23,15 @@ BLOCK_ROWS = 16
 
 @triton.jit
 def _fwht_quant_kernel(q_ptr, q_row_stride, codes_ptr, scale_ptr, n_rows,
-                       BR: tl.constexpr, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr, ROUND_SCALE: tl.constexpr):
+                       BR: tl.constexpr, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr, ROUND_SCALE: tl.constexpr,
+                       NATIVE_FP8: tl.constexpr):
     # One program per BR rows: q [BR, 128] bf16 -> codes [BR, 128] uint8, scale [BR] fp32.
     pid = tl.program_id(0).to(tl.int64)
     r = pid * BR + tl.arange(0, BR)
     d = tl.arange(0, 128)
     live = r < n_rows
     x = tl.load(q_ptr + r[:, None] * q_row_stride + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-    codes, scale = _jit.quantize(_jit.rotate(x, BR), FP8_MAX, FNUZ, ROUND_SCALE)  # [BR, 128], [BR]
+    codes, scale = _jit.quantize(_jit.rotate(x, BR), FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)  # [BR, 128], [BR]
     tl.store(codes_ptr + r[:, None] * 128 + d[None, :], codes, mask=live[:, None])
     tl.store(scale_ptr + r, scale, mask=live)
 
@@ -44,7 +45,7 @@ def launch_fwht_quant(q2d, codes, scale, fp8_dtype, round_scale=True):
     _fwht_quant_kernel[(triton.cdiv(rows, BLOCK_ROWS),)](
         q2d, q2d.stride(0), codes, scale, rows,
         BR=BLOCK_ROWS, FP8_MAX=fp8_max(fp8_dtype), FNUZ=fp8_dtype == torch.float8_e4m3fnuz,
-        ROUND_SCALE=round_scale, enable_fp_fusion=False,
+        ROUND_SCALE=round_scale, NATIVE_FP8=native_fp8(q2d.device, fp8_dtype), enable_fp_fusion=False,
     )
 
 
