@@ -75,8 +75,9 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
 
 def quant_scale(amax: torch.Tensor, fp8_dtype: torch.dtype, round_scale: bool = True) -> torch.Tensor:
     """Per-vector scale from ``amax`` (fp32): ``2^ceil(log2(v))`` (ue8m0) or ``v``,
-    with ``v = max(amax, 1e-4) * fp32(1/FP8_MAX)``."""
-    v = torch.clamp_min(amax, AMAX_FLOOR) * _c(1.0 / fp8_max(fp8_dtype), amax)
+    with ``v = max(amax, 1e-4) * fp32(1/FP8_MAX)``; the max is IEEE maxNum (a NaN ``amax``
+    gives ``1e-4``), as Triton's ``tl.maximum`` on every target."""
+    v = torch.fmax(amax, _c(AMAX_FLOOR, amax)) * _c(1.0 / fp8_max(fp8_dtype), amax)
     if not round_scale:
         return v
     bits = v.contiguous().view(torch.int32)
