@@ -39,6 +39,25 @@ def test_kernel_store_127_3_as_fp8(device):
     assert out.view(torch.float8_e4m3fn).float().tolist() == [128.0, -128.0, 448.0, -448.0]
 
 
+@triton.jit
+def _xor_kernel(x_ptr, rows_ptr, all_ptr, R: tl.constexpr, C: tl.constexpr):
+    x = tl.load(x_ptr + tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :])
+    tl.store(rows_ptr + tl.arange(0, R), tl.xor_sum(x, axis=1))
+    tl.store(all_ptr, tl.xor_sum(tl.reshape(x, (R * C,)), axis=0))
+
+
+def test_xor_sum_reduction_bits(device):
+    """xor_sum (the compare-and-swap of tl.sort / tl.topk; vectorized by kpool in the interpreter)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(-2**62, 2**62, (4, 64), generator=g, dtype=torch.int64)
+    rows = torch.zeros(4, dtype=torch.int64, device=device)
+    whole = torch.zeros(1, dtype=torch.int64, device=device)
+    _xor_kernel[(1,)](x.to(device), rows, whole, R=4, C=64)
+    want = np.bitwise_xor.reduce(x.numpy(), axis=1)
+    assert rows.cpu().numpy().tolist() == want.tolist()
+    assert int(whole.cpu()) == int(np.bitwise_xor.reduce(want))
+
+
 # The checks below concern the interpreter's converter; they exist only where it runs.
 if INTERPRETING:
 

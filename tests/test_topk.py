@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from kpool import reference
-from kpool.ops.topk import BLOCK_COLS, select_pools
+from kpool.ops import topk
+from kpool.ops.topk import MIN_CHUNK, select_pools
 
 
 def oracle(logits, pool_lens, select_k):
@@ -41,11 +42,25 @@ def check(logits, pool_lens, select_k, device):
 @pytest.mark.parametrize("select_k", [1, 7, 40])
 def test_random_rows_with_many_ties(backend, device, select_k):
     g = torch.Generator().manual_seed(select_k)
-    n = BLOCK_COLS + 300  # two kernel blocks
+    n = 2 * MIN_CHUNK + 300  # three leaves and a merge
     logits = torch.randint(-6, 6, (6, n), generator=g).float() * 0.25  # many exact ties
     logits[1] = torch.randn(n, generator=g)  # no ties
     logits[2, ::3] = float("-inf")
     pool_lens = torch.tensor([n, n, 900, select_k, select_k + 1, 0], dtype=torch.int32)
+    check(logits, pool_lens, select_k, device)
+
+
+@pytest.mark.parametrize("select_k", [3, 16, 100])
+def test_merge_tree_levels(backend, device, select_k, monkeypatch):
+    """Small leaves: rows of 2-20 leaves, so one or two merge levels (fan-in 8)."""
+    monkeypatch.setattr(topk, "MIN_CHUNK", 32)
+    g = torch.Generator().manual_seed(100 + select_k)
+    leaf = max(32, topk.key_block(select_k))
+    n = 20 * leaf
+    logits = torch.randint(-20, 20, (4, n), generator=g).float()  # ties across leaves
+    logits[1] = torch.randn(n, generator=g)
+    logits[3, n // 2:] = float("nan")
+    pool_lens = torch.tensor([n, n - 7, 2 * leaf + 1, select_k + 1])
     check(logits, pool_lens, select_k, device)
 
 

@@ -17,6 +17,11 @@ real cast paths) and raises ``RuntimeError`` if the fix did not take.
 
 kpool's kernels never rely on native downcasts (bf16 and fp8 rounding are integer ops in
 ``ops/_jit.py``); this keeps any native conversion in the interpreter honest as well.
+
+It also gives the interpreter's reductions a vectorized path for ``xor_sum`` (the
+compare-and-swap step of ``tl.sort`` / ``tl.topk``), which it otherwise evaluates element
+by element in Python (about a second per 512-key ``tl.topk``). XOR is associative and
+commutative, so ``np.bitwise_xor.reduce`` gives the same bits.
 """
 
 from __future__ import annotations
@@ -243,6 +248,30 @@ def self_test(device: str | torch.device = "cpu") -> None:
                 + (f"; the {PATCH_POINT} fix did not take" if device.type == "cpu" else ""))
 
 
+def _install_fast_xor_reduce(interpreter) -> None:
+    """Route ``tl.reduce(x, axis, _xor_combine)`` to ``np.bitwise_xor.reduce`` (same bits)."""
+    ops = getattr(interpreter, "ReduceOps", None)
+    combine = getattr(tl.standard, "_xor_combine", None)
+    if ops is None or combine is None or getattr(ops.apply_impl, "_kpool_fast_xor", False):
+        return
+    original = ops.apply_impl
+
+    def apply_impl(self, input):
+        if self.combine_fn is not combine:
+            return original(self, input)
+        x = input[0]
+        data = x.handle.data
+        if self.axis is None:
+            out = np.bitwise_xor.reduce(data.reshape(-1))
+            out = np.reshape(out, (1,) * data.ndim) if self.keep_dims else out.item()
+        else:
+            out = np.bitwise_xor.reduce(data, axis=self.axis, keepdims=self.keep_dims)
+        return self.to_tensor(out, x.dtype)
+
+    apply_impl._kpool_fast_xor = True
+    ops.apply_impl = apply_impl
+
+
 def ensure_exact_downcasts() -> bool:
     """Install the exact converter in Triton's interpreter and self-test it.
 
@@ -255,6 +284,7 @@ def ensure_exact_downcasts() -> bool:
         return False
     interpreter = _interp_module()
     _check_patch_point(interpreter)
+    _install_fast_xor_reduce(interpreter)
     if not fix_applied():
         rtne = interpreter._ir.ROUNDING_MODE.RTNE
         interpreter._convert_float = _make_converter(interpreter._convert_float, rtne)

@@ -1,4 +1,4 @@
-"""Deterministic top-k over pools (SPEC.md §5): ``select_pools``.
+"""Deterministic top-k over pools (SPEC.md §5): ``select_pools`` and the shared selection tree.
 
 Row ``r`` sees pools ``j < pool_lens[r]``. If more than ``select_k`` are visible, the
 ``select_k`` best are returned, highest score first, exact ties to the lower pool id;
@@ -8,14 +8,21 @@ Order used (identical on every backend, no float arithmetic): each fp32 score ma
 int32 ``ordered`` that is monotone in the score, with ``-0.0`` equal to ``+0.0`` and every
 NaN mapped to ``INT32_MIN``, below ``-inf`` (a NaN pool is picked only when nothing else
 is left; ``-inf`` pools are still visible). The ranking key ``ordered * 2^32 + (2^32-1-id)``
-is unique per pool, so the selection is a pure function of the inputs.
+is unique per pool (``reference.pool_order_keys``), so the selection is a pure function of
+the inputs; pools a row does not see get the key ``INT64_MIN``.
 
-Triton kernel (correctness first): one program per row. A 4-bit radix select (8 passes
-over the row, 16-bin counts) finds the ``select_k``-th largest ordered score and how many
-pools equal to it to keep; a compaction pass writes the chosen ids in id order into the
-output row; a bitonic ``tl.sort`` of their ranking keys puts them in selection order.
-A faster GPU version would fuse the radix passes into the logits kernel (per-block
-histograms), use 8-bit digits with shared-memory histograms, and avoid re-reading rows.
+Kernels (a tree of bitonic top-k, ``tl.topk``, over unique int64 keys):
+
+1. leaves: one program per (row, chunk of ``CHUNK`` pools) keeps the ``KB`` best keys of
+   its chunk (``KB = next_pow2(select_k)``), sorted. ``_chunk_topk_kernel`` reads the keys'
+   scores from a logits row; ``ops/score.py``'s fused decode kernel computes them on chip
+   and never writes a logits row.
+2. ``_merge_topk_kernel``: one program per (row, group of up to ``MERGE_FANIN`` lists)
+   keeps the ``KB`` best of the group, until one list per row is left.
+3. the last level (a leaf when a row has one chunk) writes pool ids: the list's first
+   ``select_k`` keys decoded, or ``0 .. n-1`` when ``n <= select_k`` pools are visible.
+
+Rows with ``n <= select_k`` visible pools skip the loads and the sorting.
 """
 
 from __future__ import annotations
@@ -25,14 +32,18 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .._backend import backend_for
+from .._backend import backend_for, interpreting
 from .._checks import INT_DTYPES, check_tensor, range_checks_enabled
 
-BLOCK_COLS = 1024
+MIN_CHUNK = 512  # leaf size at least this (and at least KB)
+MAX_CHUNK_FACTOR = 4  # leaves of up to 4 * max(KB, MIN_CHUNK) pools
+MERGE_FANIN = 8  # lists merged per program
+PROGRAMS_PER_SM = 2  # leaf grid target when choosing the leaf size
+_NO_KEY = -9223372036854775807 - 1  # INT64_MIN: a pool the row does not see
 
 
 @triton.jit
-def _ordered_score(x):
+def ordered_score(x):
     """fp32 -> int64 in ``[-2^31, 2^31)``, monotone; -0.0 == +0.0; NaN -> -2^31 (lowest)."""
     bits = x.to(tl.int32, bitcast=True)
     bits = tl.where(x == 0, 0, bits)
@@ -41,58 +52,118 @@ def _ordered_score(x):
 
 
 @triton.jit
-def _select_pools_kernel(x_ptr, x_stride, lens_ptr, lens_stride, out_ptr, out_stride, n_cols, select_k,
-                         BLOCK: tl.constexpr, KB: tl.constexpr):
-    # One program per row: logits x [n_cols] fp32 -> out [select_k] int32 pool ids.
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * x_stride
-    o_row = out_ptr + row * out_stride
-    n_vis = tl.minimum(tl.maximum(tl.load(lens_ptr + row * lens_stride).to(tl.int64), 0), n_cols)
-    c = tl.arange(0, KB)  # [KB] output columns
-    if n_vis <= select_k:
-        tl.store(o_row + c, tl.where(c < n_vis, c, -1).to(tl.int32), mask=c < select_k)
+def pool_keys(x, j, vis):
+    """Ranking keys ``ordered(x) * 2^32 + (2^32 - 1 - j)`` of scores ``x`` of pools ``j``
+    (int64, same shape); ``INT64_MIN`` where not ``vis``."""
+    key = ordered_score(x) * 4294967296 + (4294967295 - j.to(tl.int64))
+    return tl.where(vis, key, -9223372036854775807 - 1)
+
+
+@triton.jit
+def visible_pools(lens_ptr, row, n_cols):
+    """``pool_lens[row]`` clamped to ``[0, n_cols]`` (int64 scalar)."""
+    return tl.minimum(tl.maximum(tl.load(lens_ptr + row).to(tl.int64), 0), n_cols)
+
+
+@triton.jit
+def emit_selection(out_ptr, keys, n_vis, select_k, KB: tl.constexpr):
+    """Write ``select_k`` int32 pool ids of one row at ``out_ptr`` from its ``KB`` best keys
+    (sorted, descending), or ``0 .. n_vis-1`` when ``n_vis <= select_k``; -1 padding."""
+    c = tl.arange(0, KB)
+    ids = tl.where(keys == -9223372036854775807 - 1, -1, 4294967295 - (keys & 4294967295))
+    ids = tl.where(n_vis <= select_k, tl.where(c < n_vis, c, -1), ids)
+    tl.store(out_ptr + c, ids.to(tl.int32), mask=c < select_k)
+
+
+@triton.jit
+def store_leaf(keys, cand_ptr, out_ptr, n_vis, select_k, KB: tl.constexpr, FINAL: tl.constexpr):
+    """A leaf's ``KB`` best of ``keys [CHUNK]``: sorted keys to ``cand_ptr``, or (``FINAL``,
+    the row's only leaf) its selection to ``out_ptr``."""
+    top = tl.topk(keys, KB)
+    if FINAL:
+        emit_selection(out_ptr, top, n_vis, select_k, KB)
     else:
-        # Radix select on u = ordered + 2^31 in [0, 2^32): find the select_k-th largest u
-        # (prefix) and k_rem, how many pools with u == prefix are kept (the lowest ids).
-        bins = tl.arange(0, 16)
-        prefix = tl.zeros([], tl.int64)
-        k_rem = tl.zeros([], tl.int64) + select_k
-        for p in tl.static_range(8):
-            shift = 28 - 4 * p  # constexpr (static_range)
-            counts = tl.zeros([16], tl.int32)
-            for start in range(0, n_vis, BLOCK):
-                i = start + tl.arange(0, BLOCK)  # [BLOCK]
-                m = i < n_vis
-                u = _ordered_score(tl.load(x_row + i, mask=m, other=0.0)) + 2147483648
-                m = m & ((u >> (shift + 4)) == (prefix >> (shift + 4)))
-                dig = (u >> shift) & 15
-                counts += tl.sum(((dig[:, None] == bins[None, :]) & m[:, None]).to(tl.int32), axis=0)
-            at_least = tl.sum(counts, axis=0) - tl.cumsum(counts, 0) + counts  # [16] count of digit >= b
-            b_sel = tl.max(tl.where(at_least >= k_rem, bins, -1), axis=0).to(tl.int64)
-            k_rem -= tl.sum(tl.where(bins > b_sel, counts, 0), axis=0).to(tl.int64)
-            prefix += b_sel << shift
-        # Compaction in id order: every pool above the threshold, then the first k_rem equal to it.
-        n_out = tl.zeros([], tl.int64)
-        n_eq = tl.zeros([], tl.int64)
-        for start in range(0, n_vis, BLOCK):
-            i = start + tl.arange(0, BLOCK)
-            m = i < n_vis
-            u = _ordered_score(tl.load(x_row + i, mask=m, other=0.0)) + 2147483648
-            eq = m & (u == prefix)
-            eq_i = eq.to(tl.int64)
-            take = (m & (u > prefix)) | (eq & (n_eq + tl.cumsum(eq_i, 0) - eq_i < k_rem))
-            take_i = take.to(tl.int64)
-            tl.store(o_row + n_out + tl.cumsum(take_i, 0) - take_i, i.to(tl.int32), mask=take)
-            n_out += tl.sum(take_i, axis=0)
-            n_eq += tl.sum(eq_i, axis=0)
-        tl.debug_barrier()
-        # Selection order: ranking key ordered * 2^32 + (2^32 - 1 - id), descending.
-        live = c < select_k
-        ids = tl.load(o_row + c, mask=live, other=0).to(tl.int64)
-        key = _ordered_score(tl.load(x_row + ids, mask=live, other=0.0)) * 4294967296 + (4294967295 - ids)
-        key = tl.sort(tl.where(live, key, -9223372036854775807 - 1), descending=True)
-        tl.debug_barrier()
-        tl.store(o_row + c, (4294967295 - (key & 0xFFFFFFFF)).to(tl.int32), mask=live)
+        tl.store(cand_ptr + tl.arange(0, KB), top)
+
+
+@triton.jit
+def _chunk_topk_kernel(x_ptr, x_stride, lens_ptr, lens_stride, cand_ptr, out_ptr, out_stride, n_cols, select_k,
+                       n_chunks, CHUNK: tl.constexpr, KB: tl.constexpr, FINAL: tl.constexpr):
+    # Program (row, chunk): the KB best keys of logits x[row, chunk*CHUNK : +CHUNK].
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1).to(tl.int64)
+    n_vis = visible_pools(lens_ptr, row * lens_stride, n_cols)
+    if n_vis > select_k:
+        j = chunk * CHUNK + tl.arange(0, CHUNK)
+        vis = j < n_vis
+        x = tl.load(x_ptr + row * x_stride + j, mask=vis, other=0.0)
+        store_leaf(pool_keys(x, j, vis), cand_ptr + (row * n_chunks + chunk) * KB, out_ptr + row * out_stride,
+                   n_vis, select_k, KB, FINAL)
+    elif FINAL:
+        emit_selection(out_ptr + row * out_stride, tl.full((KB,), -9223372036854775807 - 1, tl.int64), n_vis,
+                       select_k, KB)
+
+
+@triton.jit
+def _merge_topk_kernel(cand_ptr, n_in, lens_ptr, lens_stride, n_cols, next_ptr, n_out, out_ptr, out_stride,
+                       select_k, G: tl.constexpr, KB: tl.constexpr, FINAL: tl.constexpr):
+    # Program (row, group): the KB best keys of lists [group*G, group*G + G) of cand[row] (n_in lists).
+    row = tl.program_id(0).to(tl.int64)
+    grp = tl.program_id(1).to(tl.int64)
+    n_vis = visible_pools(lens_ptr, row * lens_stride, n_cols)
+    lst = grp * G + tl.arange(0, G)
+    if n_vis > select_k:
+        c = tl.arange(0, KB)
+        keys = tl.load(cand_ptr + (row * n_in + lst[:, None]) * KB + c[None, :], mask=(lst < n_in)[:, None],
+                       other=-9223372036854775807 - 1)
+        top = tl.topk(tl.reshape(keys, (G * KB,)), KB)
+        if FINAL:
+            emit_selection(out_ptr + row * out_stride, top, n_vis, select_k, KB)
+        else:
+            tl.store(next_ptr + (row * n_out + grp) * KB + c, top)
+    elif FINAL:
+        emit_selection(out_ptr + row * out_stride, tl.full((KB,), -9223372036854775807 - 1, tl.int64), n_vis,
+                       select_k, KB)
+
+
+def key_block(select_k: int) -> int:
+    """``KB``: keys kept per list (the power of two at or above ``select_k``)."""
+    return triton.next_power_of_2(select_k)
+
+
+def plan_leaves(rows: int, n_cols: int, select_k: int, device):
+    """``(CHUNK, n_chunks)`` for the leaves of ``rows`` rows of ``n_cols`` pools: the largest
+    ``CHUNK`` in ``max(KB, MIN_CHUNK) * {4, 2, 1}`` whose grid still fills the GPU (the
+    smallest off the GPU, so that the CPU lanes exercise the merge levels)."""
+    base = max(key_block(select_k), MIN_CHUNK)
+    if device.type == "cuda" and not interpreting():
+        want = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        want = 1 << 62
+    chunk = base
+    for f in (MAX_CHUNK_FACTOR, 2):
+        if rows * triton.cdiv(n_cols, base * f) >= want:
+            chunk = base * f
+            break
+    return chunk, triton.cdiv(n_cols, chunk)
+
+
+def merge_lists(cand, lens, n_cols, select_k, out) -> None:
+    """Reduce ``cand [rows, n_lists, KB]`` (sorted int64 key lists, ``n_lists >= 2``) to each
+    row's selection in ``out [rows, select_k]`` int32, ``MERGE_FANIN`` lists per program."""
+    rows, n_in, kb = cand.shape
+    while True:
+        g = min(MERGE_FANIN, triton.next_power_of_2(n_in))
+        n_out = triton.cdiv(n_in, g)
+        final = n_out == 1
+        nxt = cand if final else torch.empty((rows, n_out, kb), dtype=torch.int64, device=cand.device)
+        _merge_topk_kernel[(rows, n_out)](
+            cand, n_in, lens, lens.stride(0), n_cols, nxt, n_out, out, out.stride(0), select_k,
+            G=g, KB=kb, FINAL=final,
+        )
+        if final:
+            return
+        cand, n_in = nxt, n_out
 
 
 def select_pools(logits, pool_lens, select_k):
@@ -125,8 +196,14 @@ def select_pools(logits, pool_lens, select_k):
     out = torch.empty((rows, select_k), dtype=torch.int32, device=device)
     if rows == 0:
         return out
-    _select_pools_kernel[(rows,)](
-        logits, logits.stride(0), pool_lens, pool_lens.stride(0), out, out.stride(0), n_cols, select_k,
-        BLOCK=BLOCK_COLS, KB=triton.next_power_of_2(select_k),
+    kb = key_block(select_k)
+    chunk, n_chunks = plan_leaves(rows, n_cols, select_k, device)
+    final = n_chunks == 1
+    cand = out if final else torch.empty((rows, n_chunks, kb), dtype=torch.int64, device=device)
+    _chunk_topk_kernel[(rows, n_chunks)](
+        logits, logits.stride(0), pool_lens, pool_lens.stride(0), cand, out, out.stride(0), n_cols, select_k,
+        n_chunks, CHUNK=chunk, KB=kb, FINAL=final,
     )
+    if not final:
+        merge_lists(cand, pool_lens, n_cols, select_k, out)
     return out
