@@ -7,9 +7,10 @@ Cases:
 
 * ``decode``: ``B`` requests, one query each at the last position of a ``ctx``-token
   context (``ctx / P`` visible pools on randomly permuted pages). ``ours`` is
-  ``kpool.cache.score_and_select`` (query rotation + fp8, head-weight folding,
-  ``paged_pool_logits``, ``select_pools``, ``expand_pools_and_append_tail``: the device
-  part of ``KPoolCache.topk_indices`` for a decode step) under CUDA-graph replay.
+  ``kpool.cache.score_and_select`` (query rotation + fp8, head-weight folding, the fused
+  ``paged_pool_topk`` (scores and selects without a logits row in memory),
+  ``expand_pools_and_append_tail``: the device part of ``KPoolCache.topk_indices`` for a
+  decode step) under CUDA-graph replay.
   Bytes (memory floor): every visible pool's 132-byte entry read once (the issue's floor),
   plus the queries, head weights and page table read and the indices written (<1%).
   Targets: B = 32 at 128K and B = 128 at 1M within 2x of the floor; B = 1 at 128K <= 10 us.

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from kpool import cache as cache_mod
 from kpool import numerics, reference
-from kpool.cache import KPoolCache, _plan_chunks, logits_budget_bytes, score_and_select
+from kpool.cache import SCRATCH_BYTES_PER_POOL, KPoolCache, _plan_chunks, logits_budget_bytes, score_and_select
 from kpool.indexer import KPoolIndexer
 
 from _util import random_bytes_like
@@ -287,7 +287,7 @@ def test_plan_chunks_covers_rows_within_budget():
         for chunk in _plan_chunks(items, budget, 4):
             n = max(c[3] for c in chunk)
             vis = max(c[4] for c in chunk)
-            assert len(chunk) * n * vis * 4 <= budget or (len(chunk) == 1 and n == 1)
+            assert len(chunk) * n * vis * SCRATCH_BYTES_PER_POOL <= budget or (len(chunk) == 1 and n == 1)
             assert len(chunk) * n <= 2 * sum(c[3] for c in chunk)
             for i, r0, a, m, v in chunk:
                 assert v == (a + m) // 4 or m == items[i][3]
@@ -303,22 +303,23 @@ def test_logits_budget_chunks_rows(monkeypatch):
     q, w = run.queries(77)
     full = run.cache.topk_indices(["a", "b", "c"], q, w, index_topk=16)
     calls = []
-    orig = cache_mod.paged_pool_logits
+    orig = cache_mod.paged_pool_topk
 
-    def spy(q8, kv, wts, lens, pt, **kw):
+    def spy(q8, kv, wts, lens, pt, select_k, **kw):
         calls.append((q8.shape[0] * q8.shape[1], kw["max_pools"]))
-        return orig(q8, kv, wts, lens, pt, **kw)
+        return orig(q8, kv, wts, lens, pt, select_k, **kw)
 
-    monkeypatch.setattr(cache_mod, "paged_pool_logits", spy)
+    monkeypatch.setattr(cache_mod, "paged_pool_topk", spy)
     assert len(calls) == 0
     run.cache.topk_indices(["a", "b", "c"], q, w, index_topk=16)
     assert len(calls) == 1  # 256 MiB: one grid (3 requests padded to the longest scored run)
     calls.clear()
-    monkeypatch.setenv("KPOOL_LOGITS_BUDGET_MB", str(200 / 2**20))  # 200 bytes: 50 logits per chunk
+    monkeypatch.setenv("KPOOL_LOGITS_BUDGET_MB", str(400 / 2**20))  # 400 bytes: 50 row-pools per chunk
     chunked = run.cache.topk_indices(["a", "b", "c"], q, w, index_topk=16)
     assert torch.equal(chunked, full)
-    assert len(calls) > 3 and all(rows * pools * 4 <= 200 or rows == 1 for rows, pools in calls), calls
-    assert logits_budget_bytes() == 200
+    assert len(calls) > 3 and all(rows * pools * SCRATCH_BYTES_PER_POOL <= 400 or rows == 1
+                                  for rows, pools in calls), calls
+    assert logits_budget_bytes() == 400
     for bad in ("0", "-1", "abc", "nan", "inf"):
         monkeypatch.setenv("KPOOL_LOGITS_BUDGET_MB", bad)
         with pytest.raises(ValueError, match="KPOOL_LOGITS_BUDGET_MB"):

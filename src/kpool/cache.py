@@ -13,7 +13,7 @@ Addressing (what an engine must reproduce, see ``StepMetadata``):
   ``slot_mapping = loc(pos // P)`` if ``(pos + 1) % P == 0`` else ``-1``.
 
 Scoring: ``topk_indices`` turns the last step's queries into the token indices sparse
-attention reads (pools ``j < (pos + 1) // P`` of the request, logits chunked under
+attention reads (pools ``j < (pos + 1) // P`` of the request, scoring scratch chunked under
 ``$KPOOL_LOGITS_BUDGET_MB``); ``score_and_select`` is its graph-capturable device part.
 """
 
@@ -30,11 +30,11 @@ from ._checks import check_tensor
 from .layout import (ENTRY_BYTES, HEAD_DIM, read_entries, resolve_fp8_dtype, resolve_layout, ring_size)
 from .ops.compress import compress_token_pools
 from .ops.decode import kpool_decode_update_and_maybe_write_cache_batched
-from .ops.logits import SUPPORTED_HEADS, paged_pool_logits
+from .ops.logits import SUPPORTED_HEADS
 from .ops.quant import fwht128_quant_fp8
 from .ops.select import expand_pools_and_append_tail
 from .ops.tail import seed_requests
-from .ops.topk import select_pools
+from .ops.score import paged_pool_topk
 
 LOGITS_BUDGET_ENV = "KPOOL_LOGITS_BUDGET_MB"
 DEFAULT_LOGITS_BUDGET_MB = 256
@@ -298,13 +298,15 @@ class KPoolCache:
         tokens in position order (``T = sum`` of those step lengths). A token at position
         ``p`` sees the request's complete pools ``j < (p + 1) // P`` (the pools its own step
         wrote included). Per row: ``fwht128_quant_fp8(q)``, folded head weights
-        ``(weights * q_scale) * fp32(128^-0.5 * H^-0.5)``, exact pooled logits
-        (``paged_pool_logits``), the ``select_k = index_topk // P`` best pools
-        (``select_pools``: highest first, ties to the lower pool id; every visible pool in
-        order when there are at most ``select_k``), expanded to tokens plus the tail
-        (``expand_pools_and_append_tail``). No index exceeds the row's position.
+        ``(weights * q_scale) * fp32(128^-0.5 * H^-0.5)``, exact pooled logits and the
+        ``select_k = index_topk // P`` best pools, fused (``paged_pool_topk``: the result of
+        ``select_pools(paged_pool_logits(...))`` without a logits row in memory: highest
+        first, ties to the lower pool id; every visible pool in order when there are at most
+        ``select_k``), expanded to tokens plus the tail (``expand_pools_and_append_tail``).
+        No index exceeds the row's position.
 
-        Memory: the fp32 logits buffer (rows x visible pools) is chunked so it stays under
+        Memory: the scoring scratch (per-chunk candidate key lists, at most 8 bytes per row
+        and visible pool) is bounded by grouping rows so it stays under
         ``$KPOOL_LOGITS_BUDGET_MB`` MiB (default 256; one row at least). Rows that see at
         most ``select_k`` pools are not scored (their selection is every visible pool).
 
@@ -475,7 +477,7 @@ class KPoolCache:
 
 # ---------------------------------------------------------------------- scoring helpers
 def logits_budget_bytes() -> int:
-    """``$KPOOL_LOGITS_BUDGET_MB`` (MiB, default 256) in bytes: the cap of one scoring chunk's logits."""
+    """``$KPOOL_LOGITS_BUDGET_MB`` (MiB, default 256) in bytes: the cap of one scoring chunk's scratch."""
     raw = os.environ.get(LOGITS_BUDGET_ENV, "").strip()
     if not raw:
         return DEFAULT_LOGITS_BUDGET_MB << 20
@@ -488,8 +490,12 @@ def logits_budget_bytes() -> int:
     return max(1, int(mib * (1 << 20)))
 
 
+SCRATCH_BYTES_PER_POOL = 8  # paged_pool_topk's candidate keys: 8 * KB bytes per leaf of >= KB pools
+
+
 def _plan_chunks(items, budget, pool_size):
-    """Group long-row runs into grids whose fp32 logits ``[B * n, max_pools]`` fit ``budget`` bytes.
+    """Group long-row runs into grids whose scoring scratch (``SCRATCH_BYTES_PER_POOL`` per row
+    and pool of ``[B * n, max_pools]``) fits ``budget`` bytes.
 
     ``items``: ``(request index, first row, first position, rows m, visible pools of the last
     row)`` in row order. Consecutive items share a grid (padded to the longest run) while the
@@ -498,15 +504,15 @@ def _plan_chunks(items, budget, pool_size):
     chunks, cur = [], []
 
     def cost(group):
-        return len(group) * max(it[3] for it in group) * max(it[4] for it in group) * 4
+        return len(group) * max(it[3] for it in group) * max(it[4] for it in group) * SCRATCH_BYTES_PER_POOL
 
     for it in items:
         i, r0, a, m, vis = it
-        if m * vis * 4 > budget:  # alone over budget: pieces of whole rows (at least one)
+        if m * vis * SCRATCH_BYTES_PER_POOL > budget:  # alone over budget: pieces of whole rows (at least one)
             if cur:
                 chunks.append(cur)
                 cur = []
-            step = max(1, budget // (4 * vis))
+            step = max(1, budget // (SCRATCH_BYTES_PER_POOL * vis))
             for t in range(0, m, step):
                 k = min(step, m - t)
                 chunks.append([(i, r0 + t, a + t, k, (a + t + k) // pool_size)])
@@ -561,9 +567,8 @@ def score_and_select_quantized(q8, w, kv_cache, page_table, positions, *, pool_s
         cols = torch.arange(select_k, dtype=torch.int64, device=pos.device)
         ids = torch.where(cols < lens.reshape(-1, 1), cols, -1).to(torch.int32)
     else:
-        logits = paged_pool_logits(q8, kv_cache, w, lens, page_table, layout=layout, fp8_dtype=fp8_dtype,
-                                   max_pools=max_pools)
-        ids = select_pools(logits, lens.reshape(-1), select_k)
+        ids = paged_pool_topk(q8, kv_cache, w, lens, page_table, select_k, layout=layout, fp8_dtype=fp8_dtype,
+                              max_pools=max_pools)
     return expand_pools_and_append_tail(ids, (pos + 1).clamp_min(0).reshape(-1), pool_size, width=width)
 
 

@@ -102,22 +102,48 @@ def _head_tree(t, H: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def _block_logits(q_ptrs, w_ptrs, k_ptrs, k_ok, kscale, BN: tl.constexpr, H: tl.constexpr,
-                  FNUZ: tl.constexpr, UNIT2: tl.constexpr):
+def query_limbs(q_ptrs, FNUZ: tl.constexpr):
+    """Query codes ``q_ptrs [H, 128]`` -> int8 limbs ``(q0, q1, q2)`` and a per-head NaN flag ``[H]``."""
+    qv, qn = _jit_fp8.fp8_int(tl.load(q_ptrs), FNUZ)
+    q0, q1, q2 = _limbs(qv)
+    return q0, q1, q2, tl.max(qn.to(tl.int32), axis=1)
+
+
+@triton.jit
+def block_logits(q0, q1, q2, q_nan, w, k_ptrs, k_ok, kscale, BN: tl.constexpr, H: tl.constexpr,
+                 FNUZ: tl.constexpr, UNIT2: tl.constexpr):
     """Pooled logits of ``BN`` pools for one query row -> fp32 ``[BN]`` (module docstring).
 
-    ``q_ptrs [H, 128]`` query codes, ``w_ptrs [H]`` head weights, ``k_ptrs [128, BN]`` key
+    ``q0..q2``, ``q_nan``: ``query_limbs``; ``w [H]`` head weights; ``k_ptrs [128, BN]`` key
     codes (dim-major), loaded where ``k_ok [BN]``; ``kscale [BN]`` fp32.
     """
-    qv, qn = _jit_fp8.fp8_int(tl.load(q_ptrs), FNUZ)  # [H, 128]
     kv, kn = _jit_fp8.fp8_int(tl.load(k_ptrs, mask=k_ok[None, :], other=0), FNUZ)  # [128, BN]
-    q0, q1, q2 = _limbs(qv)
     k0, k1, k2 = _limbs(kv)
     dot = _int_dot(q0, q1, q2, k0, k1, k2).to(tl.float32) * UNIT2  # [H, BN], one rounding
-    nan = (tl.max(qn.to(tl.int32), axis=1)[:, None] + tl.max(kn.to(tl.int32), axis=0)[None, :]) > 0
+    nan = (q_nan[:, None] + tl.max(kn.to(tl.int32), axis=0)[None, :]) > 0
     s = tl.where(nan, float("nan"), dot) * kscale[None, :]
     r = tl.where(s < 0, 0.0, s)
-    return _head_tree(tl.load(w_ptrs)[:, None] * r, H, BN)
+    return _head_tree(w[:, None] * r, H, BN)
+
+
+@triton.jit
+def paged_block_logits(q0, q1, q2, q_nan, w, kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_row_ptr, pt_sp,
+                       j, n_vis, PAGE: tl.constexpr, BN: tl.constexpr, H: tl.constexpr,
+                       PRESHUFFLE: tl.constexpr, FNUZ: tl.constexpr, UNIT2: tl.constexpr):
+    """Logits of one row for pools ``j [BN]`` of its page table ``pt_row_ptr`` (stride
+    ``pt_sp``): ``-inf`` for ``j >= n_vis``, NaN for a visible pool on a page outside
+    ``[0, num_pages)`` (not read)."""
+    d = tl.arange(0, 128)
+    vis = j < n_vis
+    pg = tl.load(pt_row_ptr + (j // PAGE) * pt_sp, mask=vis, other=-1).to(tl.int64)
+    ok = vis & (pg >= 0) & (pg < num_pages)
+    state = j % PAGE
+    base = tl.where(ok, pg, 0) * page_stride  # [BN] page byte offsets
+    kscale = tl.load(kv_f32_ptr + (base + PAGE * 128) // 4 + state, mask=ok, other=0.0)
+    acc = block_logits(q0, q1, q2, q_nan, w,
+                       kv_ptr + base[None, :] + _jit.key_offset(state[None, :], d[:, None], PRESHUFFLE),
+                       ok, kscale, BN, H, FNUZ, UNIT2)
+    return tl.where(vis, tl.where(ok, acc, float("nan")), float("-inf"))
 
 
 @triton.jit
@@ -132,23 +158,16 @@ def _paged_logits_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_
     b = row // next_n
     t = row % next_n
     j = blk * BN + tl.arange(0, BN)  # [BN] pool ids
-    d = tl.arange(0, 128)
     n_vis = tl.load(lens_ptr + b * lens_sb + t * lens_sn).to(tl.int64)
     n_vis = tl.minimum(tl.maximum(n_vis, 0), vis_limit)
-    vis = j < n_vis
-    pg = tl.load(pt_ptr + b * pt_sb + (j // PAGE) * pt_sp, mask=vis, other=-1).to(tl.int64)
-    ok = vis & (pg >= 0) & (pg < num_pages)
-    state = j % PAGE
-    base = tl.where(ok, pg, 0) * page_stride  # [BN] page byte offsets
-    hh = tl.arange(0, H)
-    acc = tl.zeros([BN], tl.float32)
+    out = tl.full((BN,), float("-inf"), tl.float32)
     if blk * BN < n_vis:
-        kscale = tl.load(kv_f32_ptr + (base + PAGE * 128) // 4 + state, mask=ok, other=0.0)
-        acc = _block_logits(q_ptr + b * q_sb + t * q_sn + hh[:, None] * q_sh + d[None, :],
-                            w_ptr + b * w_sb + t * w_sn + hh * w_sh,
-                            kv_ptr + base[None, :] + _jit.key_offset(state[None, :], d[:, None], PRESHUFFLE),
-                            ok, kscale, BN, H, FNUZ, UNIT2)
-    out = tl.where(vis, tl.where(ok, acc, float("nan")), float("-inf"))
+        hh = tl.arange(0, H)
+        q0, q1, q2, q_nan = query_limbs(q_ptr + b * q_sb + t * q_sn + hh[:, None] * q_sh
+                                        + tl.arange(0, 128)[None, :], FNUZ)
+        out = paged_block_logits(q0, q1, q2, q_nan, tl.load(w_ptr + b * w_sb + t * w_sn + hh * w_sh),
+                                 kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_ptr + b * pt_sb, pt_sp, j, n_vis,
+                                 PAGE, BN, H, PRESHUFFLE, FNUZ, UNIT2)
     tl.store(out_ptr + row * out_stride + j, out, mask=j < max_pools)
 
 
@@ -168,18 +187,20 @@ def _ragged_logits_kernel(q_ptr, q_st, q_sh, w_ptr, w_st, w_sh, k_ptr, k_sn, ksc
     acc = tl.zeros([BN], tl.float32)
     if (blk * BN < hi) & (blk * BN + BN > lo):
         kscale = tl.load(ksc_ptr + j * ksc_sn, mask=vis, other=0.0)
-        acc = _block_logits(q_ptr + t * q_st + hh[:, None] * q_sh + d[None, :], w_ptr + t * w_st + hh * w_sh,
-                            k_ptr + j[None, :] * k_sn + d[:, None], vis, kscale, BN, H, FNUZ, UNIT2)
+        q0, q1, q2, q_nan = query_limbs(q_ptr + t * q_st + hh[:, None] * q_sh + d[None, :], FNUZ)
+        acc = block_logits(q0, q1, q2, q_nan, tl.load(w_ptr + t * w_st + hh * w_sh),
+                           k_ptr + j[None, :] * k_sn + d[:, None], vis, kscale, BN, H, FNUZ, UNIT2)
     out = tl.where(vis, acc, float("-inf"))
     tl.store(out_ptr + t * out_stride + j, out, mask=j < n_keys)
 
 
-def _unit2(fp8_dtype) -> float:
+def unit2(fp8_dtype) -> float:
+    """Square of the ``_jit_fp8`` integer unit of the format (the dot's scale)."""
     u = _jit_fp8.fp8_unit(fp8_dtype == torch.float8_e4m3fnuz)
     return u * u
 
 
-def _code_format(named: dict, fp8_dtype, device) -> torch.dtype:
+def code_format(named: dict, fp8_dtype, device) -> torch.dtype:
     """The fp8 format of code tensors (fp8 dtypes or raw uint8 codes); all must agree."""
     seen = {t.dtype for t in named.values() if t.dtype != torch.uint8}
     if fp8_dtype is not None:
@@ -191,7 +212,7 @@ def _code_format(named: dict, fp8_dtype, device) -> torch.dtype:
     return seen.pop() if seen else resolve_fp8_dtype(None, device)
 
 
-def _check_heads(name, heads):
+def check_heads(name, heads):
     if heads not in SUPPORTED_HEADS:
         raise ValueError(f"{name} must have H in {SUPPORTED_HEADS} heads, got {heads}")
 
@@ -200,6 +221,43 @@ def _max_value(t: torch.Tensor) -> int | None:
     if t.numel() == 0 or not range_checks_enabled():
         return None
     return int(t.max())
+
+
+def check_paged_args(q_fp8, kv_cache, weights, pool_lens, page_table, layout, fp8_dtype, max_pools):
+    """Validate the arguments of the paged scoring ops (``paged_pool_logits``).
+
+    Returns ``(fp8_dtype, layout, max_pools, limit)`` resolved, ``limit`` being
+    ``min(max_pools, max_pages * PAGE)``, the most pools a row may see.
+    """
+    check_tensor("q_fp8", q_fp8, dtype=CODE_DTYPES, ndim=4, inner_contiguous=True)
+    device = q_fp8.device
+    batch, next_n, heads, hd = q_fp8.shape
+    if hd != HEAD_DIM:
+        raise ValueError(f"q_fp8 must have shape [B, next_n, H, {HEAD_DIM}], got {list(q_fp8.shape)}")
+    check_heads("q_fp8", heads)
+    fp8_dtype = code_format({"q_fp8": q_fp8}, fp8_dtype, device)
+    layout = resolve_layout(layout, device)
+    check_kv_cache(kv_cache, layout, device)
+    check_tensor("weights", weights, dtype=torch.float32, shape=(batch, next_n, heads), device=device)
+    check_tensor("pool_lens", pool_lens, dtype=INT_DTYPES, shape=(batch, next_n), device=device)
+    check_tensor("page_table", page_table, dtype=INT_DTYPES, ndim=2, device=device)
+    if page_table.shape[0] != batch:
+        raise ValueError(f"page_table must have shape [B={batch}, max_pages], got {list(page_table.shape)}")
+    num_pages, page = kv_cache.shape[:2]
+    covered = page_table.shape[1] * page
+    if max_pools is None:
+        max_pools = covered
+    if not isinstance(max_pools, int) or isinstance(max_pools, bool) or max_pools < 0:
+        raise ValueError(f"max_pools must be a non-negative int, got {max_pools!r}")
+    limit = min(max_pools, covered)
+    top = _max_value(pool_lens)
+    if top is not None and top > limit:
+        raise ValueError(f"pool_lens holds {top}, more than min(max_pools={max_pools}, max_pages*PAGE={covered})")
+    top = _max_value(page_table)
+    if top is not None and top >= num_pages:
+        raise ValueError(f"page_table holds page {top}, outside the cache (valid: 0..{num_pages - 1}, "
+                         "negative = none)")
+    return fp8_dtype, layout, max_pools, limit
 
 
 def paged_pool_logits(q_fp8, kv_cache, weights, pool_lens, page_table, *, layout=None, fp8_dtype=None,
@@ -227,34 +285,11 @@ def paged_pool_logits(q_fp8, kv_cache, weights, pool_lens, page_table, *, layout
     fp32 ``[B * next_n, max_pools]``: row ``b * next_n + t`` holds the logits of pools
     ``j < pool_lens[b, t]`` and ``-inf`` after them (exact formulation: module docstring).
     """
-    check_tensor("q_fp8", q_fp8, dtype=CODE_DTYPES, ndim=4, inner_contiguous=True)
     device = q_fp8.device
-    batch, next_n, heads, hd = q_fp8.shape
-    if hd != HEAD_DIM:
-        raise ValueError(f"q_fp8 must have shape [B, next_n, H, {HEAD_DIM}], got {list(q_fp8.shape)}")
-    _check_heads("q_fp8", heads)
-    fp8_dtype = _code_format({"q_fp8": q_fp8}, fp8_dtype, device)
-    layout = resolve_layout(layout, device)
-    check_kv_cache(kv_cache, layout, device)
-    check_tensor("weights", weights, dtype=torch.float32, shape=(batch, next_n, heads), device=device)
-    check_tensor("pool_lens", pool_lens, dtype=INT_DTYPES, shape=(batch, next_n), device=device)
-    check_tensor("page_table", page_table, dtype=INT_DTYPES, ndim=2, device=device)
-    if page_table.shape[0] != batch:
-        raise ValueError(f"page_table must have shape [B={batch}, max_pages], got {list(page_table.shape)}")
+    fp8_dtype, layout, max_pools, limit = check_paged_args(q_fp8, kv_cache, weights, pool_lens, page_table, layout,
+                                                           fp8_dtype, max_pools)
+    batch, next_n, heads = q_fp8.shape[:3]
     num_pages, page = kv_cache.shape[:2]
-    covered = page_table.shape[1] * page
-    if max_pools is None:
-        max_pools = covered
-    if not isinstance(max_pools, int) or isinstance(max_pools, bool) or max_pools < 0:
-        raise ValueError(f"max_pools must be a non-negative int, got {max_pools!r}")
-    limit = min(max_pools, covered)
-    top = _max_value(pool_lens)
-    if top is not None and top > limit:
-        raise ValueError(f"pool_lens holds {top}, more than min(max_pools={max_pools}, max_pages*PAGE={covered})")
-    top = _max_value(page_table)
-    if top is not None and top >= num_pages:
-        raise ValueError(f"page_table holds page {top}, outside the cache (valid: 0..{num_pages - 1}, "
-                         "negative = none)")
     if backend_for(device) == "torch":
         return reference.paged_pool_logits(q_fp8.view(torch.uint8), kv_cache, weights, pool_lens, page_table,
                                            layout, fp8_dtype, max_pools)
@@ -272,7 +307,7 @@ def paged_pool_logits(q_fp8, kv_cache, weights, pool_lens, page_table, *, layout
         page_table, page_table.stride(0), page_table.stride(1), kv_cache, kv_cache.view(torch.float32),
         kv_cache.stride(0), num_pages, out, out.stride(0), max_pools, limit, next_n,
         PAGE=page, BN=BLOCK_POOLS, H=heads, PRESHUFFLE=layout == "preshuffle",
-        FNUZ=fp8_dtype == torch.float8_e4m3fnuz, UNIT2=_unit2(fp8_dtype), enable_fp_fusion=False,
+        FNUZ=fp8_dtype == torch.float8_e4m3fnuz, UNIT2=unit2(fp8_dtype), enable_fp_fusion=False,
     )
     return out
 
@@ -300,10 +335,10 @@ def ragged_pool_logits(q_fp8, k_codes, k_scale, weights, ks, ke, *, fp8_dtype=No
     n_q, heads, hd = q_fp8.shape
     if hd != HEAD_DIM:
         raise ValueError(f"q_fp8 must have shape [T, H, {HEAD_DIM}], got {list(q_fp8.shape)}")
-    _check_heads("q_fp8", heads)
+    check_heads("q_fp8", heads)
     check_tensor("k_codes", k_codes, dtype=CODE_DTYPES, shape=(None, HEAD_DIM), device=device, inner_contiguous=True)
     n_keys = k_codes.shape[0]
-    fp8_dtype = _code_format({"q_fp8": q_fp8, "k_codes": k_codes}, fp8_dtype, device)
+    fp8_dtype = code_format({"q_fp8": q_fp8, "k_codes": k_codes}, fp8_dtype, device)
     check_tensor("k_scale", k_scale, dtype=torch.float32, device=device)
     if tuple(k_scale.shape) not in ((n_keys,), (n_keys, 1)):
         raise ValueError(f"k_scale must have shape [{n_keys}] or [{n_keys}, 1], got {list(k_scale.shape)}")
@@ -328,7 +363,7 @@ def ragged_pool_logits(q_fp8, k_codes, k_scale, weights, ks, ke, *, fp8_dtype=No
     _ragged_logits_kernel[grid](
         q8, q8.stride(0), q8.stride(1), weights, weights.stride(0), weights.stride(1),
         k8, k8.stride(0), k_scale, k_scale.stride(0), ks, ke, n_keys, out, out.stride(0),
-        BN=BLOCK_POOLS, H=heads, FNUZ=fp8_dtype == torch.float8_e4m3fnuz, UNIT2=_unit2(fp8_dtype),
+        BN=BLOCK_POOLS, H=heads, FNUZ=fp8_dtype == torch.float8_e4m3fnuz, UNIT2=unit2(fp8_dtype),
         enable_fp_fusion=False,
     )
     return out

@@ -131,11 +131,11 @@ def key_block(select_k: int) -> int:
     return triton.next_power_of_2(select_k)
 
 
-def plan_leaves(rows: int, n_cols: int, select_k: int, device):
+def plan_leaves(rows: int, n_cols: int, select_k: int, device, granule: int = 1):
     """``(CHUNK, n_chunks)`` for the leaves of ``rows`` rows of ``n_cols`` pools: the largest
-    ``CHUNK`` in ``max(KB, MIN_CHUNK) * {4, 2, 1}`` whose grid still fills the GPU (the
-    smallest off the GPU, so that the CPU lanes exercise the merge levels)."""
-    base = max(key_block(select_k), MIN_CHUNK)
+    ``CHUNK`` in ``max(KB, MIN_CHUNK, granule) * {4, 2, 1}`` whose grid still fills the GPU
+    (the smallest off the GPU, so that the CPU lanes exercise the merge levels)."""
+    base = max(key_block(select_k), MIN_CHUNK, granule)
     if device.type == "cuda" and not interpreting():
         want = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
     else:

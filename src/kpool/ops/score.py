@@ -1,0 +1,108 @@
+"""Fused decode / speculative-verify scoring + selection: ``paged_pool_topk``.
+
+The pooled logits of ``ops/logits.py`` and the selection of ``ops/topk.py`` in one pass
+over the paged cache, without a logits row in memory: one program per (query row, chunk of
+``CHUNK`` pools) scores its chunk tile by tile (``paged_block_logits``, ``BLOCK_POOLS``
+pools per tile, the query's int8 limbs built once per program), keeps the ranking keys on
+chip and reduces them to the chunk's ``KB`` best (``tl.topk``); the chunk lists are then
+merged per row (``topk.merge_lists``). A row that sees at most ``select_k`` pools scores
+nothing. Same bytes as ``select_pools(paged_pool_logits(...))`` on every backend.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import reference
+from .._backend import backend_for
+from . import topk
+from .logits import check_paged_args, paged_block_logits, query_limbs, unit2
+
+BLOCK_POOLS = 64  # pools per scoring tile
+
+
+@triton.jit
+def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_ptr, lens_stride,
+                       pt_ptr, pt_sb, pt_sp, kv_ptr, kv_f32_ptr, page_stride, num_pages,
+                       cand_ptr, out_ptr, out_stride, vis_limit, next_n, select_k, n_chunks,
+                       PAGE: tl.constexpr, BN: tl.constexpr, NT: tl.constexpr, KB: tl.constexpr, H: tl.constexpr,
+                       PRESHUFFLE: tl.constexpr, FNUZ: tl.constexpr, UNIT2: tl.constexpr, FINAL: tl.constexpr):
+    # Program (row = b * next_n + t, chunk): the KB best ranking keys of pools
+    # [chunk * NT * BN, (chunk + 1) * NT * BN) of that row, scored NT tiles of BN pools.
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1).to(tl.int64)
+    b = row // next_n
+    t = row % next_n
+    n_vis = topk.visible_pools(lens_ptr, row * lens_stride, vis_limit)
+    if n_vis > select_k:
+        hh = tl.arange(0, H)
+        q0, q1, q2, q_nan = query_limbs(q_ptr + b * q_sb + t * q_sn + hh[:, None] * q_sh
+                                        + tl.arange(0, 128)[None, :], FNUZ)
+        w = tl.load(w_ptr + b * w_sb + t * w_sn + hh * w_sh)
+        tiles = tl.arange(0, NT)
+        keys = tl.full((NT, BN), -9223372036854775807 - 1, tl.int64)  # [NT, BN], INT64_MIN = not seen
+        for i in range(NT):
+            start = (chunk * NT + i) * BN
+            if start < n_vis:
+                j = start + tl.arange(0, BN)
+                x = paged_block_logits(q0, q1, q2, q_nan, w, kv_ptr, kv_f32_ptr, page_stride, num_pages,
+                                       pt_ptr + b * pt_sb, pt_sp, j, n_vis, PAGE, BN, H, PRESHUFFLE, FNUZ, UNIT2)
+                keys = tl.where(tiles[:, None] == i, topk.pool_keys(x, j, j < n_vis)[None, :], keys)
+        topk.store_leaf(tl.reshape(keys, (NT * BN,)), cand_ptr + (row * n_chunks + chunk) * KB,
+                        out_ptr + row * out_stride, n_vis, select_k, KB, FINAL)
+    elif FINAL:
+        topk.emit_selection(out_ptr + row * out_stride, tl.full((KB,), -9223372036854775807 - 1, tl.int64), n_vis,
+                            select_k, KB)
+
+
+def paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, *, layout=None, fp8_dtype=None,
+                    max_pools=None):
+    """Score every visible pool of each decode / verify row and select the best, fused.
+
+    Parameters
+    ----------
+    q_fp8, kv_cache, weights, pool_lens, page_table, layout, fp8_dtype, max_pools : as
+        ``paged_pool_logits`` (``q_fp8 [B, next_n, H, 128]``, ``weights [B, next_n, H]``
+        fp32 folded, ``pool_lens [B, next_n]``, ``page_table [B, max_pages]``).
+    select_k : positive int, pools to pick per row (``index_topk // P``).
+
+    Returns
+    -------
+    int32 ``[B * next_n, select_k]``: ``select_pools(paged_pool_logits(...), pool_lens,
+    select_k)`` (highest score first, ties to the lower id, NaN last; every visible pool in
+    order when there are at most ``select_k``; -1 padding), computed without a logits row.
+    """
+    fp8_dtype, layout, max_pools, limit = check_paged_args(q_fp8, kv_cache, weights, pool_lens, page_table, layout,
+                                                           fp8_dtype, max_pools)
+    if not isinstance(select_k, int) or isinstance(select_k, bool) or select_k < 1:
+        raise ValueError(f"select_k must be a positive int, got {select_k!r}")
+    device = q_fp8.device
+    batch, next_n, heads = q_fp8.shape[:3]
+    rows = batch * next_n
+    lens = pool_lens.reshape(rows)
+    if backend_for(device) == "torch":
+        logits = reference.paged_pool_logits(q_fp8.view(torch.uint8), kv_cache, weights, pool_lens, page_table,
+                                             layout, fp8_dtype, max_pools)
+        return reference.select_pools(logits, lens, select_k)
+    out = torch.empty((rows, select_k), dtype=torch.int32, device=device)
+    if rows == 0:
+        return out
+    kb = topk.key_block(select_k)
+    chunk, n_chunks = topk.plan_leaves(rows, max(limit, 1), select_k, device, BLOCK_POOLS)
+    final = n_chunks == 1
+    cand = out if final else torch.empty((rows, n_chunks, kb), dtype=torch.int64, device=device)
+    q8 = q_fp8.view(torch.uint8)
+    _paged_topk_kernel[(rows, n_chunks)](
+        q8, q8.stride(0), q8.stride(1), q8.stride(2), weights, weights.stride(0), weights.stride(1),
+        weights.stride(2), lens, lens.stride(0), page_table, page_table.stride(0), page_table.stride(1),
+        kv_cache, kv_cache.view(torch.float32), kv_cache.stride(0), kv_cache.shape[0],
+        cand, out, out.stride(0), limit, next_n, select_k, n_chunks,
+        PAGE=kv_cache.shape[1], BN=BLOCK_POOLS, NT=chunk // BLOCK_POOLS, KB=kb, H=heads,
+        PRESHUFFLE=layout == "preshuffle", FNUZ=fp8_dtype == torch.float8_e4m3fnuz, UNIT2=unit2(fp8_dtype),
+        FINAL=final, enable_fp_fusion=False,
+    )
+    if not final:
+        topk.merge_lists(cand, lens, limit, select_k, out)
+    return out

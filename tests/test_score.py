@@ -1,0 +1,88 @@
+"""paged_pool_topk: fused decode / verify scoring + selection (no logits row in memory).
+
+Must equal ``select_pools(paged_pool_logits(...))`` bit for bit on every backend, and the
+plain-torch composition of the reference: checked with verify rows of different lengths,
+padding rows, rows at or under ``select_k`` pools, tied scores across chunks (duplicate
+keys: ties to the lower id), bad pages (NaN, ranked last), both layouts and formats,
+H in {16, 32, 64}, leaves small enough for two merge levels, and validation.
+"""
+
+import pytest
+import torch
+
+from kpool import reference
+from kpool.ops import topk
+from kpool.ops.logits import paged_pool_logits
+from kpool.ops.score import paged_pool_topk
+from kpool.ops.topk import select_pools
+from test_logits import make_cache, rand_codes, weights
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+
+
+def run_case(device, *, batch, next_n, heads, page, pages_per, lens, select_k, fp8_dtype, layout="plain",
+             seed=0, bad_page=False, duplicate=False):
+    num_pages = batch * pages_per + 1
+    kv, codes, scales = make_cache(num_pages, page, fp8_dtype, seed, layout)
+    if duplicate:  # every pool of page 1 a copy of page 0's: exact ties between pools of different chunks
+        kv[1] = kv[0]
+    g = torch.Generator().manual_seed(seed + 7)
+    pt = torch.randperm(num_pages, generator=g)[: batch * pages_per].view(batch, pages_per).to(torch.int32)
+    if duplicate:
+        pt[:, 0], pt[:, -1] = 0, 1
+    if bad_page:
+        pt[0, 1] = -1
+    q = rand_codes((batch, next_n, heads, 128), fp8_dtype, seed + 3)
+    w = weights((batch, next_n, heads), seed + 4)
+    lens = torch.as_tensor(lens, dtype=torch.int32).view(batch, next_n)
+    args = [t.to(device) for t in (q, kv, w, lens, pt)]
+    got = paged_pool_topk(*args, select_k, layout=layout).cpu()
+    logits = reference.paged_pool_logits(q.view(torch.uint8), kv, w, lens, pt, layout, fp8_dtype, pages_per * page)
+    want = reference.select_pools(logits, lens.view(-1), select_k)
+    assert got.dtype == torch.int32 and got.shape == (batch * next_n, select_k)
+    assert torch.equal(got, want), f"rows differ: {(got != want).any(1).nonzero().flatten().tolist()}"
+    unfused = select_pools(paged_pool_logits(*args, layout=layout), args[3].view(-1), select_k).cpu()
+    assert torch.equal(got, unfused)
+    return got, logits
+
+
+@pytest.mark.parametrize("heads, fp8_dtype", [(16, FP8[0]), (32, FP8[1]), (64, FP8[0])])
+def test_matches_logits_then_select(backend, device, heads, fp8_dtype):
+    # verify rows (next_n = 3) see 1 more pool each; row 5 at select_k, row 2 padding
+    got, _ = run_case(device, batch=2, next_n=3, heads=heads, page=64, pages_per=9,
+                      lens=[540, 541, 0, 575, 576, 40], select_k=40, fp8_dtype=fp8_dtype, seed=heads)
+    assert got[2].tolist() == [-1] * 40 and got[5].tolist() == list(range(40))
+
+
+def test_merge_levels_ties_and_bad_page(backend, device, monkeypatch):
+    """Leaves of 64 pools (one tile): 10-12 leaves per row, two merge levels; duplicated pages
+    tie across leaves; a bad page scores NaN and ranks after every other pool."""
+    monkeypatch.setattr(topk, "MIN_CHUNK", 32)
+    got, logits = run_case(device, batch=2, next_n=1, heads=16, page=64, pages_per=12, lens=[768, 700],
+                           select_k=24, fp8_dtype=torch.float8_e4m3fn, seed=5, duplicate=True)
+    _, logits_nan = run_case(device, batch=2, next_n=2, heads=16, page=64, pages_per=12,
+                             lens=[740, 741, 127, 768], select_k=700, fp8_dtype=torch.float8_e4m3fn, seed=6,
+                             bad_page=True)
+    assert torch.isnan(logits_nan[0, 64:128]).all()
+
+
+@pytest.mark.parametrize("layout", ["plain", "preshuffle"])
+def test_layouts_small_pages(backend, device, layout):
+    run_case(device, batch=3, next_n=2, heads=32, page=32, pages_per=5, lens=[150, 151, 160, 10, 0, 99],
+             select_k=16, fp8_dtype=torch.float8_e4m3fnuz, layout=layout, seed=9)
+
+
+def test_validation(backend, device):
+    q = torch.zeros(1, 1, 16, 128, dtype=torch.uint8, device=device)
+    kv = torch.zeros(2, 64, 132, dtype=torch.uint8, device=device)
+    w = torch.zeros(1, 1, 16, device=device)
+    lens = torch.tensor([[10]], device=device)
+    pt = torch.tensor([[0, 1]], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="select_k"):
+        paged_pool_topk(q, kv, w, lens, pt, 0)
+    with pytest.raises(ValueError, match="pool_lens"):
+        paged_pool_topk(q, kv, w, torch.tensor([[200]], device=device), pt, 4)
+    with pytest.raises(ValueError, match="q_fp8"):
+        paged_pool_topk(q[..., :64], kv, w, lens, pt, 4)
+    with pytest.raises(ValueError, match="page_table"):
+        paged_pool_topk(q, kv, w, lens, torch.tensor([[0, 5]], dtype=torch.int32, device=device), 4)
