@@ -16,7 +16,7 @@ FAKE = """
 import triton
 import triton.language as tl
 
-from kpool.aot import KernelSpec, axis
+from kpool.aot import KernelSpec, axis, native_fp8_param
 
 
 @triton.jit
@@ -25,21 +25,47 @@ def _helper(x):
 
 
 @triton.jit
-def _native_fp8_kernel(x_ptr, y_ptr, n, FNUZ: tl.constexpr, BLOCK: tl.constexpr):
-    # fp32 -> fp8 with Triton's native conversion: what sm_80 cannot compile for e4m3fn
+def _encode(x, FNUZ: tl.constexpr, NATIVE: tl.constexpr):
+    if NATIVE:  # Triton's fp32 -> fp8 conversion: what sm_80 cannot compile for e4m3fn
+        if FNUZ:
+            y = x.to(tl.float8e4b8).to(tl.uint8, bitcast=True)
+        else:
+            y = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:  # stands for the software encoder (integer ops)
+        y = x.to(tl.int32).to(tl.uint8)
+    return y
+
+
+@triton.jit
+def _native_fp8_kernel(x_ptr, y_ptr, n, FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr, MODE: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    # MODE 0: native conversion iff NATIVE_FP8; 1: always (ignores the flag); 2: never
     i = tl.arange(0, BLOCK)
     x = _helper(tl.load(x_ptr + i, mask=i < n, other=0.0))
-    if FNUZ:
-        y = x.to(tl.float8e4b8)
+    if MODE == 0:
+        y = _encode(x, FNUZ, NATIVE_FP8)
+    elif MODE == 1:
+        y = _encode(x, FNUZ, True)
     else:
-        y = x.to(tl.float8e4nv)
-    tl.store(y_ptr + i, y.to(tl.uint8, bitcast=True), mask=i < n)
+        y = _encode(x, FNUZ, False)
+    tl.store(y_ptr + i, y, mask=i < n)
 """
 
 SPECS = """
 AOT_SPECS = {"_native_fp8_kernel": KernelSpec(ptrs=dict(x_ptr="fp32", y_ptr="u8"), cross=(axis("FNUZ", (False,)),),
-                                              fixed=dict(BLOCK=128))}
+                                              fixed=dict(BLOCK=128, MODE=1), target_derive=native_fp8_param)}
 """
+
+# NATIVE_FP8 set by the case against what the kernel does
+FLAG_SPECS = """
+AOT_SPECS = {"_native_fp8_kernel": KernelSpec(
+    ptrs=dict(x_ptr="fp32", y_ptr="u8"), cross=(axis("FNUZ", (False,)),),
+    cycle=([dict(MODE=1, NATIVE_FP8=False), dict(MODE=2, NATIVE_FP8=True), dict(MODE=0, NATIVE_FP8=True)],),
+    fixed=dict(BLOCK=128))}
+"""
+
+WRITERS = ("_compress_kernel", "_decode_update_kernel", "_fwht_quant_kernel")
+WRITER_MODULES = ["kpool.ops.compress", "kpool.ops.decode", "kpool.ops.quant"]
 
 
 def _fake_module(tmp_path, monkeypatch, name, source):
@@ -85,12 +111,51 @@ def test_failure_names_kernel_and_target(tmp_path, monkeypatch):
     reports that job as failed, naming the kernel and the target; sm_90 compiles it."""
     mod = _fake_module(tmp_path, monkeypatch, "kpool_aot_fp8", FAKE + SPECS)
     results = aot.compile_matrix(["sm_80", "sm_90"], progress=False, modules=[mod.__name__])
-    by_target = {r.target: r for r in results if r.label.startswith("FNUZ=0 hints=aligned")}
+    by_target = {r.target: r for r in results if "hints=aligned" in r.label}
     assert not by_target["sm_80"].ok and by_target["sm_90"].ok, [r.describe() for r in results]
+    assert "NATIVE_FP8=0" in by_target["sm_80"].label and "NATIVE_FP8=1" in by_target["sm_90"].label
     text = by_target["sm_80"].describe()
     assert text.startswith("_native_fp8_kernel for sm_80 [") and "FAILED" in text, text
     assert by_target["sm_90"].native_fp8 and by_target["sm_90"].stages[-1] == "cubin"
-    assert "FAILED _native_fp8_kernel for sm_80" in aot.format_results(results)
+    table = aot.format_results(results)
+    assert "FAILED _native_fp8_kernel for sm_80" in table
+    assert "  sm_90: _native_fp8_kernel (e4m3fn)" in table, table
+
+
+def test_fp8_types_only_with_native_flag(tmp_path, monkeypatch):
+    """fp8 types in the TTIR exactly when NATIVE_FP8=True: a kernel converting natively while
+    NATIVE_FP8 is False fails (it would rely on a conversion sm_80 lacks), and so does one
+    that ignores NATIVE_FP8=True; the kernel that follows the flag compiles."""
+    mod = _fake_module(tmp_path, monkeypatch, "kpool_aot_flag", FAKE + FLAG_SPECS)
+    results = aot.compile_matrix(["sm_90"], progress=False, modules=[mod.__name__])
+    by_mode = {r.label.split("MODE=")[1][0]: r for r in results}
+    assert set(by_mode) == {"0", "1", "2"}, [r.label for r in results]
+    assert by_mode["0"].ok and by_mode["0"].native_fp8, by_mode["0"].describe()
+    assert not by_mode["1"].ok and "fp8 types in the TTIR without NATIVE_FP8=True" in by_mode["1"].error
+    assert not by_mode["2"].ok and "NATIVE_FP8=True but no fp8 type" in by_mode["2"].error
+    assert by_mode["1"].stages[-1] == "cubin"  # it compiled: the check, not the compiler, failed it
+
+
+def test_writers_follow_the_native_fp8_table():
+    """The fp8 writers' NATIVE_FP8 per target and format is _backend.has_native_fp8's (what
+    native_fp8 picks by default at run time): software on sm_80, e4m3fn native on sm_90 /
+    sm_100 / gfx950, e4m3fnuz native on gfx942; every target gets both formats."""
+    import torch
+
+    from kpool._backend import has_native_fp8
+    expect = {"sm_80": (False, False), "sm_90": (True, False), "sm_100": (True, False),
+              "gfx942": (False, True), "gfx950": (True, False)}  # (e4m3fn, e4m3fnuz)
+    jobs = aot.build_jobs(kernels=list(WRITERS), modules=WRITER_MODULES)
+    seen = set()
+    for j in jobs:
+        fnuz = j.constexprs["FNUZ"]
+        native = j.constexprs["NATIVE_FP8"]
+        backend, arch = aot.TARGETS[j.target][:2]
+        assert native == has_native_fp8(backend, arch, torch.float8_e4m3fnuz if fnuz else torch.float8_e4m3fn)
+        assert native == expect[j.target][fnuz], (j.target, j.kernel, j.label)
+        assert f"NATIVE_FP8={int(native)}" in j.label
+        seen.add((j.kernel, j.target, fnuz))
+    assert seen == {(k, t, f) for k in WRITERS for t in aot.TARGETS for f in (False, True)}
 
 
 def test_every_kernel_compiles_for_every_target(capsys):
@@ -103,11 +168,14 @@ def test_every_kernel_compiles_for_every_target(capsys):
     assert {(r.kernel, r.target) for r in results} == {(k, t) for k in kernels for t in aot.TARGETS}
     for r in results:  # all the way to the binary
         assert r.stages[-1] == ("cubin" if aot.TARGETS[r.target][0] == "cuda" else "hsaco"), r.describe()
-    # fp8 is software (integer ops) in every kernel: no fp8 type reaches the IR, so every
-    # target takes both formats; sm_80 (no native e4m3fn conversion) compiles the e4m3fn cases
-    assert not [r.describe() for r in results if r.native_fp8]
+    # fp8 types reach the TTIR exactly in the NATIVE_FP8=1 jobs (the matrix fails any other
+    # job with them): the writers on targets with the native conversion, nothing on sm_80
+    for r in results:
+        assert r.native_fp8 == ("NATIVE_FP8=1" in r.label), r.describe()
+    native = {t: {r.kernel for r in results if r.target == t and r.native_fp8} for t in aot.TARGETS}
+    assert native == {t: set() if t == "sm_80" else set(WRITERS) for t in aot.TARGETS}, native
     fp8_kernels = {r.kernel for r in results if "FNUZ=" in r.label}
-    assert {"_compress_kernel", "_decode_update_kernel", "_fwht_quant_kernel"} <= fp8_kernels
+    assert set(WRITERS) <= fp8_kernels
     for k in fp8_kernels:
         for target in aot.TARGETS:
             labels = [r.label for r in results if r.kernel == k and r.target == target]

@@ -12,13 +12,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kpool import numerics
+from kpool import _backend, numerics
 from kpool.layout import AMAX_FLOOR, HADAMARD_SCALE, fp8_max
 from kpool.ops import _jit
 
 from _util import assert_bytes_equal
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e4m3fnuz]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # as the device fixture (conftest.py)
 F32 = torch.float32
 
 
@@ -44,6 +45,14 @@ def _fp8_encode_kernel(x_ptr, o_ptr, n, FP8_MAX: tl.constexpr, FNUZ: tl.constexp
     m = i < n
     x = tl.load(x_ptr + i, mask=m, other=0.0)
     tl.store(o_ptr + i, _jit.fp8_encode(x, FP8_MAX, FNUZ), mask=m)
+
+
+@triton.jit
+def _fp8_encode_native_kernel(x_ptr, o_ptr, n, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    m = i < n
+    x = tl.load(x_ptr + i, mask=m, other=0.0)
+    tl.store(o_ptr + i, _jit.fp8_encode_native(x, FP8_MAX, FNUZ), mask=m)
 
 
 @triton.jit
@@ -123,14 +132,30 @@ def _fp8_boundaries(fp8_dtype) -> torch.Tensor:
 
 # --- (a) fp8 encoding ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("fp8_dtype", FP8, ids=["e4m3fn", "e4m3fnuz"])
-def test_fp8_encode_matches_torch(fp8_dtype, device):
+def _encoder_cases():
+    """(fp8 format, encoder): the software encoder for both formats; the native one
+    (``_jit.fp8_encode_native``) for the formats this device's target converts natively."""
+    dev = torch.device(DEVICE)
+    for name, dt in zip(("e4m3fn", "e4m3fnuz"), FP8):
+        yield pytest.param(dt, "software", id=f"{name}-software")
+        if dev.type != "cpu" or _backend.interpreting():
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv(_backend.FP8_ENCODER_ENV, "native")
+                if _backend.native_fp8(dev, dt):
+                    yield pytest.param(dt, "native", id=f"{name}-native")
+
+
+@pytest.mark.parametrize("fp8_dtype,encoder", list(_encoder_cases()))
+def test_fp8_encode_matches_torch(fp8_dtype, encoder, device):
+    """Both encoders: every bf16 pattern, random fp32 bits, every fp8 value and tie with
+    their neighbours, values far past ±FP8_MAX and ±inf (saturation), NaN of both signs."""
     x = torch.cat((_all_bf16_as_f32(), _random_f32(1 << 20, seed=1), _fp8_boundaries(fp8_dtype),
                    torch.tensor([math.nan, -math.nan, 0.0, -0.0])))
     want = numerics.fp8_encode(x, fp8_dtype)
-    got = _run_elementwise(_fp8_encode_kernel, x.to(device), torch.uint8, FP8_MAX=fp8_max(fp8_dtype),
+    kernel = _fp8_encode_kernel if encoder == "software" else _fp8_encode_native_kernel
+    got = _run_elementwise(kernel, x.to(device), torch.uint8, FP8_MAX=fp8_max(fp8_dtype),
                            FNUZ=fp8_dtype == torch.float8_e4m3fnuz)
-    assert_bytes_equal(got, want, f"fp8 {fp8_dtype} codes of {x.numel()} fp32 values")
+    assert_bytes_equal(got, want, f"fp8 {fp8_dtype} codes ({encoder}) of {x.numel()} fp32 values")
     # numerics.fp8_encode itself: saturating RNE by the definition (clamp, then torch's conversion)
     m = fp8_max(fp8_dtype)
     assert torch.equal(numerics.fp8_encode(torch.tensor([m * 4, -math.inf]), fp8_dtype).view(fp8_dtype).float(),
@@ -204,6 +229,25 @@ def test_quant_scale(fp8_dtype, round_scale, device):
         assert torch.equal(want[exact_pow2], v[exact_pow2])
     else:
         assert torch.equal(want, v)
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8, ids=["e4m3fn", "e4m3fnuz"])
+@pytest.mark.parametrize("round_scale", [True, False])
+def test_quant_scale_nan_amax_is_the_floor(fp8_dtype, round_scale, device):
+    """``max(amax, 1e-4)`` is IEEE maxNum (``torch.fmax``, ``tl.maximum``): a NaN amax (a row
+    with a NaN, which the rotation spreads over the whole row) gets the 1e-4 floor's scale."""
+    amax = torch.tensor([math.nan, -math.nan, AMAX_FLOOR, 0.0], dtype=F32)
+    want = numerics.quant_scale(amax, fp8_dtype, round_scale)
+    assert not torch.isnan(want).any() and torch.equal(want, want[2].expand(4))
+    got = _run_elementwise(_quant_scale_kernel, amax.to(device), F32, FP8_MAX=fp8_max(fp8_dtype),
+                           ROUND_SCALE=round_scale).cpu()
+    assert_bytes_equal(got, want, "quant_scale of NaN amax: _jit vs numerics")
+    # through quantize: a row with one NaN -> all-NaN rotated row, floor scale, NaN codes
+    y = numerics.rotate(torch.cat((torch.full((1, 128), 3.0), torch.ones(1, 128))).index_put_(
+        (torch.tensor([0]), torch.tensor([9])), torch.tensor(math.nan)))
+    codes, scale = numerics.quantize(y, fp8_dtype, round_scale)
+    assert torch.isnan(y[0]).all() and torch.equal(scale[0], want[2])
+    assert torch.isnan(codes[0].view(fp8_dtype).float()).all() and not torch.isnan(codes[1].view(fp8_dtype).float()).any()
 
 
 # --- (e) rotation -------------------------------------------------------------------------

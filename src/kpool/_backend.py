@@ -3,12 +3,18 @@
 ``KPOOL_BACKEND=auto|triton|torch``. ``auto`` takes Triton for GPU tensors and torch for
 CPU tensors; ``triton`` on CPU tensors needs ``TRITON_INTERPRET=1``.
 
-``KPOOL_FP8_ENCODER=software|native``: how the Triton writers turn fp32 into fp8 codes.
-``software`` (default) uses integer ops (``_jit.fp8_encode``), available on every target;
-``native`` uses Triton's conversion where the target has one for the format (sm_89+ and
-gfx950 for e4m3fn, gfx942 for e4m3fnuz, the interpreter with kpool's exact downcasts) and
-falls back to software elsewhere. Both give the same bytes; benchmarks/NOTES.md has the
-H200 measurement behind the default.
+``KPOOL_FP8_ENCODER=auto|software|native``: how the Triton writers (compress, decode,
+query quant) turn fp32 into fp8 codes. ``native`` is Triton's conversion
+(``.to(tl.float8e4nv)`` / ``.to(tl.float8e4b8)``, ``_jit.fp8_encode_native``), used only
+where the target has it for the format (``has_native_fp8``: CUDA sm_89+ for e4m3fn, ROCm
+gfx942 for e4m3fnuz and gfx950 for e4m3fn, the CPU interpreter with kpool's exact
+downcasts); elsewhere (sm_80, e4m3fnuz on CUDA, ...) it falls back to ``software``.
+``software`` is integer ops on the fp32 bits (``_jit.fp8_encode``), available on every
+target. ``auto`` (default) is the measured choice: native where the target has the
+conversion, software elsewhere, i.e. the same as ``native`` today (H200, compress+write:
+native 6% faster at P=4, 2% at P=16; benchmarks/NOTES.md). All give the same bytes.
+The AOT compile matrix (``kpool.aot``) compiles each target with the ``auto`` choice,
+from the same ``has_native_fp8`` table.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import os
 import torch
 
 BACKENDS = ("auto", "triton", "torch")
-FP8_ENCODERS = ("software", "native")
+FP8_ENCODERS = ("auto", "software", "native")
 FP8_ENCODER_ENV = "KPOOL_FP8_ENCODER"
 
 
@@ -43,17 +49,52 @@ def backend_for(device: torch.device) -> str:
     return "triton"
 
 
-def native_fp8(device: torch.device, fp8_dtype: torch.dtype) -> bool:
-    """Whether Triton writers on ``device`` encode ``fp8_dtype`` with the native conversion."""
-    choice = os.environ.get(FP8_ENCODER_ENV, "software").strip().lower() or "software"
+def fp8_encoder() -> str:
+    """``KPOOL_FP8_ENCODER`` (one of ``FP8_ENCODERS``; unset or empty: ``"auto"``)."""
+    choice = os.environ.get(FP8_ENCODER_ENV, "auto").strip().lower() or "auto"
     if choice not in FP8_ENCODERS:
         raise ValueError(f"{FP8_ENCODER_ENV} must be one of {FP8_ENCODERS}, got {choice!r}")
-    if choice == "software":
+    return choice
+
+
+def has_native_fp8(backend: str, arch, fp8_dtype: torch.dtype) -> bool:
+    """Whether Triton has a native fp32 -> ``fp8_dtype`` conversion on a target.
+
+    The one table behind ``native_fp8`` (run time) and the AOT matrix (``kpool.aot``).
+    ``backend``: ``"cuda"`` (``arch``: compute capability as an int, 89 for sm_89),
+    ``"hip"`` (``arch``: gfx name, ``"gfx942"``; ``":feature"`` suffixes ignored) or
+    ``"interpreter"`` (``arch`` ignored: both formats, exact through ``kpool._interpreter``).
+    e4m3fn: sm_89+, gfx950. e4m3fnuz: gfx942 (CUDA has no fnuz conversion).
+    """
+    if fp8_dtype == torch.float8_e4m3fnuz:
+        fnuz = True
+    elif fp8_dtype == torch.float8_e4m3fn:
+        fnuz = False
+    else:
+        raise ValueError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e4m3fnuz, got {fp8_dtype}")
+    if backend == "interpreter":
+        return True
+    if backend == "cuda":
+        return not fnuz and int(arch) >= 89
+    if backend == "hip":
+        return str(arch).split(":")[0] == ("gfx942" if fnuz else "gfx950")
+    raise ValueError(f"backend must be 'cuda', 'hip' or 'interpreter', got {backend!r}")
+
+
+def native_fp8(device: torch.device, fp8_dtype: torch.dtype) -> bool:
+    """Whether Triton writers on ``device`` encode ``fp8_dtype`` with the native conversion.
+
+    ``KPOOL_FP8_ENCODER``: ``software`` -> False; ``auto`` (default) and ``native`` ->
+    ``has_native_fp8`` of the device's target (False where it has no conversion: the
+    software encoder, same bytes). CPU tensors: the interpreter's (True when
+    ``TRITON_INTERPRET`` is on, else False: no Triton kernel runs there).
+    """
+    device = torch.device(device)
+    if fp8_encoder() == "software":
         return False
-    fnuz = fp8_dtype == torch.float8_e4m3fnuz
     if device.type == "cpu":
-        return interpreting()
+        return interpreting() and has_native_fp8("interpreter", None, fp8_dtype)
     if torch.version.hip is not None:
-        arch = torch.cuda.get_device_properties(device).gcnArchName.split(":")[0]
-        return arch == ("gfx942" if fnuz else "gfx950")
-    return not fnuz and torch.cuda.get_device_capability(device) >= (8, 9)
+        return has_native_fp8("hip", torch.cuda.get_device_properties(device).gcnArchName, fp8_dtype)
+    major, minor = torch.cuda.get_device_capability(device)
+    return has_native_fp8("cuda", major * 10 + minor, fp8_dtype)

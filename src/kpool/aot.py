@@ -29,6 +29,16 @@ Spec (``KernelSpec``): the argument types plus the constexpr cases to compile.
   launcher computes from others (e.g. the tile size from P; reuse the launcher's own helpers
   and constants); ``options``: the launcher's compile options (``num_warps``,
   ``enable_fp_fusion=False``). Keys starting with ``_`` are dropped after ``derive``.
+* ``target_derive``: ``(case, target name) -> dict`` of parameters the launcher takes from
+  the device, applied per target after ``derive`` (shown in the job's label). The fp8
+  writers use ``native_fp8_param``: ``NATIVE_FP8`` as ``_backend.native_fp8`` chooses by
+  default (``KPOOL_FP8_ENCODER=auto``), from the same table (``_backend.has_native_fp8``).
+
+fp8 check: a job's TTIR holds fp8 element types exactly when it is compiled with
+``NATIVE_FP8=True`` (the native conversion); any other job with fp8 types fails (it would
+rely on a conversion sm_80, or CUDA for e4m3fnuz, lacks), and so does a ``NATIVE_FP8=True``
+job without them (the flag would not reach the encoder). The summary lists, per target,
+the kernels that use a native conversion and for which format.
 * Tiers: ``full`` multiplies every ``cross`` axis (the product the launchers can reach);
   ``ci`` (default) multiplies the first ``ci_cross`` of them and spreads the others like
   ``cycle`` axes (CI runs on two CPU cores).
@@ -66,7 +76,7 @@ import threading
 import time
 import traceback
 
-__all__ = ["TARGETS", "KernelSpec", "AotJob", "AotResult", "AotSpecError", "SPECS", "EXCLUDED",
+__all__ = ["TARGETS", "KernelSpec", "AotJob", "AotResult", "AotSpecError", "SPECS", "EXCLUDED", "native_fp8_param",
            "kernel_module_names", "discover_kernels",
            "registered_specs", "check_registry", "build_jobs", "compile_job", "compile_matrix", "format_results",
            "main"]
@@ -102,6 +112,7 @@ class KernelSpec:
     options: dict = dataclasses.field(default_factory=dict)
     ci_cross: int = 1
     derive: object = None  # optional case -> dict of more parameters (launcher-computed constexprs)
+    target_derive: object = None  # optional (case, target name) -> dict of parameters that follow the target
 
 
 def axis(name, values):
@@ -138,8 +149,10 @@ def fp8_axis(*keys):
     """One dict per fp8 format of ``layout.FP8_DTYPES``, restricted to ``keys`` among
     ``FP8_MAX``, ``FNUZ``, ``UNIT2`` (square of the ``_jit_fp8`` integer unit).
 
-    Every target supports both formats: the kernels encode and decode fp8 with integer ops
-    (no Triton fp8 conversion); each result records whether fp8 types reached the IR.
+    Every target takes both formats: fp8 is decoded with integer ops, and encoded with
+    integer ops too unless the target has the native conversion for the format (the
+    writers' ``NATIVE_FP8``, set per target by ``native_fp8_param``); each result records
+    whether fp8 types reached the IR.
     """
     import torch
 
@@ -151,6 +164,17 @@ def fp8_axis(*keys):
         vals = dict(FP8_MAX=fp8_max(dt), FNUZ=fnuz, UNIT2=unit * unit)
         out.append({k: vals[k] for k in keys})
     return out
+
+
+def native_fp8_param(case, target):
+    """``target_derive`` of the fp8 writers: ``NATIVE_FP8`` for the case's format (``FNUZ``)
+    on ``target``, as ``_backend.native_fp8`` chooses it by default (``has_native_fp8``)."""
+    import torch
+
+    from ._backend import has_native_fp8
+    backend, arch = TARGETS[target][:2]
+    fp8_dtype = torch.float8_e4m3fnuz if case["FNUZ"] else torch.float8_e4m3fn
+    return dict(NATIVE_FP8=has_native_fp8(backend, arch, fp8_dtype))
 
 
 def int_ptr_axis(*names):
@@ -176,8 +200,8 @@ def _compress_specs(m):
         cycle=(flag("ROUND_SCALE"), flag("HAS_MASK"), _PAGE,
                [dict(WRITE_CACHE=True, RETURN_COMPRESSED=False), dict(WRITE_CACHE=False, RETURN_COMPRESSED=True),
                 dict(WRITE_CACHE=True, RETURN_COMPRESSED=True)]),
-        fixed=dict(NATIVE_FP8=False),  # the default software encoder (_backend.native_fp8)
         derive=lambda c: dict(BN=m.BLOCK_POOLS.get(c["P"], 1)),  # as launch_compress on a GPU
+        target_derive=native_fp8_param,
         options=dict(enable_fp_fusion=False, num_warps=m.NUM_WARPS))}
 
 
@@ -188,7 +212,7 @@ def _decode_specs(m):
                   ts_ptr="i64", loc_ptr="i64", pos_ptr="i64"),
         cross=(pool_ring_axis(), layout_axis(), fp8_axis("FP8_MAX", "FNUZ")),
         cycle=(steps, flag("ROUND_SCALE"), _PAGE, int_ptr_axis("ts_ptr", "loc_ptr", "pos_ptr")),
-        fixed=dict(NATIVE_FP8=False), options=dict(enable_fp_fusion=False, num_warps=m.DECODE_WARPS))}
+        target_derive=native_fp8_param, options=dict(enable_fp_fusion=False, num_warps=m.DECODE_WARPS))}
 
 
 def _tail_specs(m):
@@ -207,7 +231,7 @@ def _quant_specs(m):
     return {"_fwht_quant_kernel": KernelSpec(
         ptrs=dict(q_ptr="bf16", codes_ptr="u8", scale_ptr="fp32"),
         cross=(fp8_axis("FP8_MAX", "FNUZ"),), cycle=(flag("ROUND_SCALE"),),
-        fixed=dict(BR=m.BLOCK_ROWS, NATIVE_FP8=False), options=dict(enable_fp_fusion=False))}
+        fixed=dict(BR=m.BLOCK_ROWS), target_derive=native_fp8_param, options=dict(enable_fp_fusion=False))}
 
 
 def _logits_specs(m):
@@ -475,50 +499,64 @@ def _label(case):
 def _jobs_for(name, mod, fn, spec, targets, tier):
     params = _params(fn)
     names = [p for p, _ in params]
-    cx_names = {p for p, cx in params if cx}
     for p in spec.ptrs:
         if p not in names:
             raise AotSpecError(f"AOT spec of {name}: ptrs names {p!r}, not an argument of the kernel")
+
+    def more_params(fn_, args, case, label, what):
+        try:
+            more = dict(fn_(*args))
+        except Exception as e:  # noqa: BLE001 - re-raised with the kernel named
+            raise AotSpecError(f"AOT spec of {name}: {what} failed on {label}: {type(e).__name__}: {e}") from e
+        if set(more) & set(case):
+            raise AotSpecError(f"AOT spec of {name}: {what} sets {sorted(set(more) & set(case))} again")
+        return more
+
     jobs = []
     for case in _cases(spec, tier, name):
         case = {**spec.fixed, **case}
         hints = case.pop("_hints")
         label = _label({k: v for k, v in case.items() if k not in spec.fixed} | {"_hints": hints})
         if spec.derive is not None:
-            try:
-                more = dict(spec.derive(case))
-            except Exception as e:  # noqa: BLE001 - re-raised with the kernel named
-                raise AotSpecError(f"AOT spec of {name}: derive failed on {label}: {type(e).__name__}: {e}") from e
-            if set(more) & set(case):
-                raise AotSpecError(f"AOT spec of {name}: derive sets {sorted(set(more) & set(case))} again")
-            case.update(more)
+            case.update(more_params(spec.derive, (case,), case, label, "derive"))
             label = _label({k: v for k, v in case.items() if k not in spec.fixed} | {"_hints": hints})
         case = {k: v for k, v in case.items() if not k.startswith("_")}
-        bad = {k: v for k, v in case.items() if not isinstance(v, (bool, int, float, str))}
-        if bad:
-            raise AotSpecError(f"AOT spec of {name}: values must be bool/int/float/str, got {bad}")
-        unknown = [k for k in case if k not in names]
-        if unknown:
-            raise AotSpecError(f"AOT spec of {name}: {unknown} are not arguments of the kernel")
-        signature, constexprs = {}, {}
-        for p, is_cx in params:
-            if is_cx:
-                if p not in case:
-                    raise AotSpecError(f"AOT spec of {name}: no value for constexpr {p} in case {_label(case)}")
-                signature[p], constexprs[p] = "constexpr", case[p]
-            elif isinstance(case.get(p), int) and not isinstance(case.get(p), bool):
-                signature[p], constexprs[p] = "constexpr", case[p]  # the JIT's specialization of an int == 1
-            elif p in case:
-                signature[p] = _ptr_type(case[p]) if p in spec.ptrs or p.endswith("_ptr") else case[p]
-            elif p in spec.ptrs:
-                signature[p] = _ptr_type(spec.ptrs[p])
-            elif p.endswith("_ptr"):
-                raise AotSpecError(f"AOT spec of {name}: pointer argument {p} has no type (add it to ptrs)")
-            else:
-                signature[p] = "i32"
         for target in targets:
-            jobs.append(AotJob(name, mod.__name__, target, signature, constexprs, hints, dict(spec.options), label))
+            t_case, t_label = case, label
+            if spec.target_derive is not None:
+                more = more_params(spec.target_derive, (case, target), case, f"{label} for {target}", "target_derive")
+                t_case = {**case, **more}
+                t_label = _label({k: v for k, v in t_case.items() if k not in spec.fixed} | {"_hints": hints})
+            signature, constexprs = _signature(name, params, spec, t_case)
+            jobs.append(AotJob(name, mod.__name__, target, signature, constexprs, hints, dict(spec.options), t_label))
     return jobs
+
+
+def _signature(name, params, spec, case):
+    """(signature, constexprs) of one case: every parameter -> triton type or ``"constexpr"``."""
+    bad = {k: v for k, v in case.items() if not isinstance(v, (bool, int, float, str))}
+    if bad:
+        raise AotSpecError(f"AOT spec of {name}: values must be bool/int/float/str, got {bad}")
+    unknown = [k for k in case if k not in {p for p, _ in params}]
+    if unknown:
+        raise AotSpecError(f"AOT spec of {name}: {unknown} are not arguments of the kernel")
+    signature, constexprs = {}, {}
+    for p, is_cx in params:
+        if is_cx:
+            if p not in case:
+                raise AotSpecError(f"AOT spec of {name}: no value for constexpr {p} in case {_label(case)}")
+            signature[p], constexprs[p] = "constexpr", case[p]
+        elif isinstance(case.get(p), int) and not isinstance(case.get(p), bool):
+            signature[p], constexprs[p] = "constexpr", case[p]  # the JIT's specialization of an int == 1
+        elif p in case:
+            signature[p] = _ptr_type(case[p]) if p in spec.ptrs or p.endswith("_ptr") else case[p]
+        elif p in spec.ptrs:
+            signature[p] = _ptr_type(spec.ptrs[p])
+        elif p.endswith("_ptr"):
+            raise AotSpecError(f"AOT spec of {name}: pointer argument {p} has no type (add it to ptrs)")
+        else:
+            signature[p] = "i32"
+    return signature, constexprs
 
 
 def build_jobs(targets=None, tier="ci", kernels=None, modules=None):
@@ -584,8 +622,15 @@ def compile_job(job: AotJob, fn=None) -> AotResult:
         res.native_fp8 = bool(_FP8_IR.search(compiled.asm.get("ttir", "")))
         res.shared = int(getattr(compiled.metadata, "shared", 0) or 0)
         binary = "cubin" if backend == "cuda" else "hsaco"
+        native = job.constexprs.get("NATIVE_FP8") is True
         if binary not in compiled.asm or not compiled.asm[binary]:
             res.error = f"no {binary} produced (stages: {res.stages})"
+        elif res.native_fp8 and not native:
+            res.error = ("fp8 types in the TTIR without NATIVE_FP8=True: the kernel relies on a native fp8 "
+                         "conversion, which sm_80 (e4m3fn) and CUDA (e4m3fnuz) lack; encode with _jit.fp8_encode "
+                         "or take the encoder from _backend.native_fp8")
+        elif native and not res.native_fp8:
+            res.error = "NATIVE_FP8=True but no fp8 type in the TTIR: the flag does not reach the fp8 encoder"
         elif res.shared > smem:
             res.error = f"needs {res.shared} bytes of shared memory, {job.target} has {smem}"
         else:
@@ -785,8 +830,15 @@ def format_results(results):
     for t in targets:
         stages = sorted({">".join(r.stages) for r in results if r.target == t and r.ok})
         lines.append(f"stages {t}: {', '.join(stages) or '-'}")
-    fp8 = sorted({r.kernel for r in results if r.native_fp8})
-    lines.append(f"kernels with fp8 types in their TTIR: {', '.join(fp8) if fp8 else 'none'}")
+    lines.append("kernels with fp8 types in their TTIR (a native fp8 conversion; expected exactly where NATIVE_FP8=1):")
+    for t in targets:
+        fp8 = {}
+        for r in results:
+            if r.target == t and r.native_fp8:
+                fmt = re.search(r"\bFNUZ=([01])\b", r.label)
+                fp8.setdefault(r.kernel, set()).add(("e4m3fn", "e4m3fnuz")[int(fmt.group(1))] if fmt else "?")
+        cells = [f"{k} ({', '.join(sorted(v))})" for k, v in sorted(fp8.items())]
+        lines.append(f"  {t}: {', '.join(cells) if cells else 'none (software fp8 only)'}")
     lines.append(f"total compile CPU time {sum(r.cpu_seconds for r in results):.1f}s "
                  f"(wall summed over jobs {sum(r.seconds for r in results):.1f}s)")
     lines += [f"FAILED {r.describe()}" for r in results if not r.ok]
