@@ -111,6 +111,17 @@ def _decode_all_kernel(code_ptr, int_ptr, nan_ptr, val_ptr, FNUZ: tl.constexpr):
 
 
 @pytest.mark.parametrize("fp8_dtype", FP8)
+def test_limb_table_all_codes(fp8_dtype):
+    """The kernels' code -> int8 limbs table: l0 + l1 * 2^6 + l2 * 2^12 = value / unit, NaN flag."""
+    t = _jit_fp8.limb_table(fp8_dtype, "cpu").to(torch.int64)
+    limbs = [((t >> (8 * i)) & 0xFF).to(torch.int8).to(torch.int64) for i in range(3)]
+    ints, nan, _ = reference.fp8_int_table(fp8_dtype, "cpu")
+    assert torch.equal(limbs[0] + limbs[1] * 64 + limbs[2] * 4096, ints.to(torch.int64))
+    assert torch.equal((t >> 24) & 1 == 1, nan)
+    assert all(int(limb.abs().max()) < 64 for limb in limbs)
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8)
 def test_fp8_decode_all_codes(device, fp8_dtype):
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).to(device)
     ints = torch.empty(256, dtype=torch.int32, device=device)

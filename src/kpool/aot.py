@@ -236,17 +236,17 @@ def _quant_specs(m):
 
 def _logits_specs(m):
     heads = axis("H", m.SUPPORTED_HEADS)
-    fp8 = fp8_axis("FNUZ", "UNIT2")
+    fp8 = fp8_axis("UNIT2")
     return {
         "_paged_logits_kernel": KernelSpec(
             ptrs=dict(q_ptr="u8", w_ptr="fp32", lens_ptr="i64", pt_ptr="i32", kv_ptr="u8", kv_f32_ptr="fp32",
-                      out_ptr="fp32"),
+                      out_ptr="fp32", lut_ptr="i32"),
             cross=(layout_axis(), fp8, heads),
             cycle=(_PAGE, axis("next_n", (1, "i32")), int_ptr_axis("lens_ptr", "pt_ptr")),
             fixed=dict(BN=m.BLOCK_POOLS), options=dict(enable_fp_fusion=False)),
         "_ragged_logits_kernel": KernelSpec(
             ptrs=dict(q_ptr="u8", w_ptr="fp32", k_ptr="u8", ksc_ptr="fp32", ks_ptr="i64", ke_ptr="i64",
-                      out_ptr="fp32"),
+                      out_ptr="fp32", lut_ptr="i32"),
             cross=(fp8, heads), cycle=(int_ptr_axis("ks_ptr", "ke_ptr"),),
             fixed=dict(BN=m.BLOCK_POOLS), options=dict(enable_fp_fusion=False)),
     }
@@ -281,11 +281,46 @@ def _select_specs(m):
     }
 
 
+def _kb_axis():
+    """KB = next_pow2(select_k) for select_k = index_topk // P = 2048 // {16, 4}."""
+    return axis("KB", (128, 512))
+
+
+def _leaf_axis(granule=1, key="CHUNK"):
+    """(KB, leaf size under ``key``) as ``topk.plan_leaves`` picks them: powers of two from
+    ``max(MIN_CHUNK, granule)`` to ``max(KB, LEAF_BASE) * MAX_CHUNK_FACTOR``."""
+    from .ops import topk
+    out = []
+    for kb in (128, 512):
+        chunk = max(topk.MIN_CHUNK, granule)
+        while chunk <= max(kb, topk.LEAF_BASE, granule) * topk.MAX_CHUNK_FACTOR:
+            out.append({"KB": kb, key: chunk})
+            chunk *= 2
+    return out
+
+
 def _topk_specs(m):
-    return {"_select_pools_kernel": KernelSpec(
-        ptrs=dict(x_ptr="fp32", lens_ptr="i32", out_ptr="i32"),
-        cross=(axis("KB", (128, 512)),),  # next_pow2(select_k), select_k = index_topk // P = 2048 // {16, 4}
-        cycle=(int_ptr_axis("lens_ptr"), axis("lens_stride", (1, "i32"))), fixed=dict(BLOCK=m.BLOCK_COLS))}
+    return {
+        "_chunk_topk_kernel": KernelSpec(
+            ptrs=dict(x_ptr="fp32", lens_ptr="i32", cand_ptr="i64", out_ptr="i32"),
+            cross=(_leaf_axis(), flag("FINAL")),
+            cycle=(int_ptr_axis("lens_ptr"), axis("lens_stride", (1, "i32")))),
+        "_merge_topk_kernel": KernelSpec(
+            ptrs=dict(cand_ptr="i64", lens_ptr="i32", next_ptr="i64", out_ptr="i32"),
+            cross=(_kb_axis(), axis("LOG_G", (1, m.MERGE_FANIN.bit_length() - 1)), flag("FINAL")),
+            cycle=(int_ptr_axis("lens_ptr"), axis("lens_stride", (1, "i32")))),
+    }
+
+
+def _score_specs(m):
+    return {"_paged_topk_kernel": KernelSpec(
+        ptrs=dict(q_ptr="u8", w_ptr="fp32", lens_ptr="i64", pt_ptr="i32", kv_ptr="u8", kv_f32_ptr="fp32",
+                  cand_ptr="i64", out_ptr="i32", lut_ptr="i32"),
+        cross=(layout_axis(), fp8_axis("UNIT2"), axis("H", (16, 32, 64))),
+        cycle=(_leaf_axis(m.BLOCK_POOLS, "_chunk"), flag("FINAL"), _PAGE, axis("next_n", (1, "i32")),
+               int_ptr_axis("lens_ptr", "pt_ptr")),
+        derive=lambda c: dict(NT=c["_chunk"] // m.BLOCK_POOLS),
+        fixed=dict(BN=m.BLOCK_POOLS), options=dict(enable_fp_fusion=False))}
 
 
 SPECS = {  # module (relative to kpool) -> builder
@@ -296,6 +331,7 @@ SPECS = {  # module (relative to kpool) -> builder
     "ops.logits": _logits_specs,
     "ops.select": _select_specs,
     "ops.topk": _topk_specs,
+    "ops.score": _score_specs,
 }
 
 # Kernels the package never launches on a GPU: acknowledged here instead of compiled.

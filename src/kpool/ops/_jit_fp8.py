@@ -13,6 +13,9 @@ mantissa bits of a code, the integer is ``m`` (``e == 0``, subnormal) or
 decode to integer 0 plus a NaN flag. The formats have no infinities.
 """
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
 
@@ -51,3 +54,35 @@ def fp8_decode(code, FNUZ: tl.constexpr):
     x = tl.abs(v).to(tl.float32) * unit
     x = tl.where((code.to(tl.int32) & 0x80) != 0, -x, x)
     return tl.where(nan, float("nan"), x)
+
+
+@functools.lru_cache(maxsize=None)
+def _limb_table_cpu(fnuz: bool) -> torch.Tensor:
+    dt = torch.float8_e4m3fnuz if fnuz else torch.float8_e4m3fn
+    vals = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dt).to(torch.float64)
+    nan = torch.isnan(vals)
+    v = torch.where(nan, 0.0, vals / fp8_unit(fnuz)).to(torch.int64)  # exact: |v| < 2^18
+    a, sign = v.abs(), torch.where(v < 0, -1, 1)
+    limbs = [sign * (a & 63), sign * ((a >> 6) & 63), sign * (a >> 12)]
+    packed = sum((limb & 0xFF) << (8 * i) for i, limb in enumerate(limbs)) | (nan.to(torch.int64) << 24)
+    return packed.to(torch.int32)
+
+
+_TABLES = {}
+
+
+def limb_table(fp8_dtype, device) -> torch.Tensor:
+    """int32 ``[256]``: code -> ``l0 | l1 << 8 | l2 << 16 | nan << 24`` (int8 limbs of ``fp8_int``,
+    ``l0 + l1 * 2^6 + l2 * 2^12 == value / unit``), for ``fp8_limbs``; cached per device."""
+    key = (fp8_dtype, str(device))
+    if key not in _TABLES:
+        _TABLES[key] = _limb_table_cpu(fp8_dtype == torch.float8_e4m3fnuz).to(device)
+    return _TABLES[key]
+
+
+@triton.jit
+def fp8_limbs(code, table_ptr):
+    """uint8 e4m3 codes -> int8 limbs ``(l0, l1, l2)`` of ``fp8_int`` and its NaN flag, by one
+    lookup in ``limb_table`` (1 KiB, cache resident) instead of ~25 integer ops."""
+    t = tl.load(table_ptr + code.to(tl.int32))
+    return t.to(tl.int8), (t >> 8).to(tl.int8), (t >> 16).to(tl.int8), ((t >> 24) & 1) != 0

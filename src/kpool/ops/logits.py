@@ -9,31 +9,29 @@ weights may be negative, so the relu is applied per head, before the weighting.
 Exact formulation (identical fp32 bits in the torch reference, under the Triton CPU
 interpreter and on every GPU; kernels are launched with ``enable_fp_fusion=False``):
 
-1. Every e4m3 code decodes, by integer ops (``_jit_fp8.fp8_int``, no Triton fp8
-   conversion, so sm_80 and the interpreter work), to an integer ``|i| < 2^18`` times a
-   unit ``u`` (``2^-9`` e4m3fn, ``2^-10`` e4m3fnuz). The head dot product ``q8[h].k8[j]``
+1. Every e4m3 code stands for an integer ``|i| < 2^18`` times a unit ``u`` (``2^-9``
+   e4m3fn, ``2^-10`` e4m3fnuz; ``_jit_fp8.fp8_int``). The head dot product ``q8[h].k8[j]``
    is the exact integer sum of 128 products (``|sum| < 128 * 2^36 = 2^43``), converted
    ONCE to fp32 (round to nearest even) and multiplied by ``u^2`` (exact). A NaN code in
    either vector makes it NaN. The kernels get the exact sum from int8 ``tl.dot``s: each
-   integer is split into three signed 6-bit limbs (``i = l0 + l1*2^6 + l2*2^12``), the
-   nine limb products are int8 MMAs with exact int32 accumulation (``128 * 63^2 < 2^31``),
-   recombined with their shifts in int64. The torch reference uses an fp64 matmul on the
-   integers, exact in any summation order since every partial sum is an integer below
-   ``2^53``.
+   integer is split into three signed 6-bit limbs (``i = l0 + l1*2^6 + l2*2^12``, read from
+   a 256-entry table per format, ``_jit_fp8.limb_table``: one cached load per code
+   instead of ~25 integer ops; no Triton fp8 conversion, so sm_80 and the interpreter
+   work), the nine limb products are int8 MMAs with exact int32 accumulation
+   (``128 * 63^2 < 2^31``), recombined with their shifts in int64. The torch reference
+   uses an fp64 matmul on the integers, exact in any summation order since every partial
+   sum is an integer below ``2^53``.
 2. In fp32: ``s = dot * kscale[j]``; ``r = 0 if s < 0 else s`` (NaN kept);
    ``t[h] = w[h] * r``; the heads are summed as a fixed pairwise tree (H a power of two):
    ``((t0 + t1) + (t2 + t3)) + ((t4 + t5) + (t6 + t7)) + ...``.
 3. Pools a row does not see are ``-inf``. A visible pool whose page id is outside
    ``[0, num_pages)`` is not read and scores NaN (selection ranks NaN last).
 
-Performance notes (correctness-first kernels): one program per (query row, block of
-``BN`` pools), so each query row re-reads its pools' keys; the nine int8 limb MMAs cost 9x
-the MACs of one fp8 MMA (int8 and fp8 MMA rates are equal on H100/H200). A fast decode
-kernel would score all ``next_n`` rows of a request in one program (MMA M = next_n * H)
-so each key byte is read once, take BN = PAGE-sized tiles with one page-id load per tile,
-and pipeline the key loads. Prefill at 8192 x 32768 pools is compute-bound: expect about
-1/9 of the fp8 MMA rate with exact limbs; a non-exact native-fp8 ``tl.dot`` mode would be
-the alternative if that is not enough.
+Performance: these two write a full logits row (one program per (row, ``BN`` pools)); the
+decode path of ``KPoolCache`` uses ``ops/score.py``'s fused ``paged_pool_topk`` instead,
+built from the same ``paged_block_logits``. The exact formulation costs nine int8 MMAs
+per fp8 product and a table load per key code, so scoring is bound by the SM's integer and
+MMA throughput, not by HBM (benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
@@ -47,21 +45,11 @@ from .._backend import backend_for
 from .._checks import INT_DTYPES, check_kv_cache, check_tensor, range_checks_enabled
 from ..layout import FP8_DTYPES, HEAD_DIM, resolve_fp8_dtype, resolve_layout
 from . import _jit, _jit_fp8
+from ._jit_fp8 import limb_table
 
 BLOCK_POOLS = 32
 SUPPORTED_HEADS = (16, 32, 64)
 CODE_DTYPES = FP8_DTYPES + (torch.uint8,)
-
-
-@triton.jit
-def _limbs(v):
-    """int32 ``|v| < 2^18`` -> three int8 limbs ``l0 + l1 * 2^6 + l2 * 2^12 == v`` (each ``|l| < 64``)."""
-    a = tl.abs(v)
-    neg = v < 0
-    l0 = tl.where(neg, -(a & 63), a & 63).to(tl.int8)
-    l1 = tl.where(neg, -((a >> 6) & 63), (a >> 6) & 63).to(tl.int8)
-    l2 = tl.where(neg, -(a >> 12), a >> 12).to(tl.int8)
-    return l0, l1, l2
 
 
 @triton.jit
@@ -102,23 +90,22 @@ def _head_tree(t, H: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def query_limbs(q_ptrs, FNUZ: tl.constexpr):
+def query_limbs(q_ptrs, lut_ptr):
     """Query codes ``q_ptrs [H, 128]`` -> int8 limbs ``(q0, q1, q2)`` and a per-head NaN flag ``[H]``."""
-    qv, qn = _jit_fp8.fp8_int(tl.load(q_ptrs), FNUZ)
-    q0, q1, q2 = _limbs(qv)
+    q0, q1, q2, qn = _jit_fp8.fp8_limbs(tl.load(q_ptrs), lut_ptr)
     return q0, q1, q2, tl.max(qn.to(tl.int32), axis=1)
 
 
 @triton.jit
-def block_logits(q0, q1, q2, q_nan, w, k_ptrs, k_ok, kscale, BN: tl.constexpr, H: tl.constexpr,
-                 FNUZ: tl.constexpr, UNIT2: tl.constexpr):
+def block_logits(q0, q1, q2, q_nan, w, k_ptrs, k_ok, kscale, lut_ptr, BN: tl.constexpr, H: tl.constexpr,
+                 UNIT2: tl.constexpr):
     """Pooled logits of ``BN`` pools for one query row -> fp32 ``[BN]`` (module docstring).
 
     ``q0..q2``, ``q_nan``: ``query_limbs``; ``w [H]`` head weights; ``k_ptrs [128, BN]`` key
-    codes (dim-major), loaded where ``k_ok [BN]``; ``kscale [BN]`` fp32.
+    codes (dim-major), loaded where ``k_ok [BN]``; ``kscale [BN]`` fp32; ``lut_ptr`` the
+    format's ``_jit_fp8.limb_table``.
     """
-    kv, kn = _jit_fp8.fp8_int(tl.load(k_ptrs, mask=k_ok[None, :], other=0), FNUZ)  # [128, BN]
-    k0, k1, k2 = _limbs(kv)
+    k0, k1, k2, kn = _jit_fp8.fp8_limbs(tl.load(k_ptrs, mask=k_ok[None, :], other=0), lut_ptr)  # [128, BN]
     dot = _int_dot(q0, q1, q2, k0, k1, k2).to(tl.float32) * UNIT2  # [H, BN], one rounding
     nan = (q_nan[:, None] + tl.max(kn.to(tl.int32), axis=0)[None, :]) > 0
     s = tl.where(nan, float("nan"), dot) * kscale[None, :]
@@ -128,8 +115,8 @@ def block_logits(q0, q1, q2, q_nan, w, k_ptrs, k_ok, kscale, BN: tl.constexpr, H
 
 @triton.jit
 def paged_block_logits(q0, q1, q2, q_nan, w, kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_row_ptr, pt_sp,
-                       j, n_vis, PAGE: tl.constexpr, BN: tl.constexpr, H: tl.constexpr,
-                       PRESHUFFLE: tl.constexpr, FNUZ: tl.constexpr, UNIT2: tl.constexpr):
+                       j, n_vis, lut_ptr, PAGE: tl.constexpr, BN: tl.constexpr, H: tl.constexpr,
+                       PRESHUFFLE: tl.constexpr, UNIT2: tl.constexpr):
     """Logits of one row for pools ``j [BN]`` of its page table ``pt_row_ptr`` (stride
     ``pt_sp``): ``-inf`` for ``j >= n_vis``, NaN for a visible pool on a page outside
     ``[0, num_pages)`` (not read)."""
@@ -142,16 +129,16 @@ def paged_block_logits(q0, q1, q2, q_nan, w, kv_ptr, kv_f32_ptr, page_stride, nu
     kscale = tl.load(kv_f32_ptr + (base + PAGE * 128) // 4 + state, mask=ok, other=0.0)
     acc = block_logits(q0, q1, q2, q_nan, w,
                        kv_ptr + base[None, :] + _jit.key_offset(state[None, :], d[:, None], PRESHUFFLE),
-                       ok, kscale, BN, H, FNUZ, UNIT2)
+                       ok, kscale, lut_ptr, BN, H, UNIT2)
     return tl.where(vis, tl.where(ok, acc, float("nan")), float("-inf"))
 
 
 @triton.jit
 def _paged_logits_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_ptr, lens_sb, lens_sn,
                          pt_ptr, pt_sb, pt_sp, kv_ptr, kv_f32_ptr, page_stride, num_pages,
-                         out_ptr, out_stride, max_pools, vis_limit, next_n,
+                         out_ptr, out_stride, max_pools, vis_limit, next_n, lut_ptr,
                          PAGE: tl.constexpr, BN: tl.constexpr, H: tl.constexpr, PRESHUFFLE: tl.constexpr,
-                         FNUZ: tl.constexpr, UNIT2: tl.constexpr):
+                         UNIT2: tl.constexpr):
     # Program (row = b * next_n + t, block): logits of pools [block*BN, block*BN + BN) of that row.
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1).to(tl.int64)
@@ -164,17 +151,17 @@ def _paged_logits_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_
     if blk * BN < n_vis:
         hh = tl.arange(0, H)
         q0, q1, q2, q_nan = query_limbs(q_ptr + b * q_sb + t * q_sn + hh[:, None] * q_sh
-                                        + tl.arange(0, 128)[None, :], FNUZ)
+                                        + tl.arange(0, 128)[None, :], lut_ptr)
         out = paged_block_logits(q0, q1, q2, q_nan, tl.load(w_ptr + b * w_sb + t * w_sn + hh * w_sh),
                                  kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_ptr + b * pt_sb, pt_sp, j, n_vis,
-                                 PAGE, BN, H, PRESHUFFLE, FNUZ, UNIT2)
+                                 lut_ptr, PAGE, BN, H, PRESHUFFLE, UNIT2)
     tl.store(out_ptr + row * out_stride + j, out, mask=j < max_pools)
 
 
 @triton.jit
 def _ragged_logits_kernel(q_ptr, q_st, q_sh, w_ptr, w_st, w_sh, k_ptr, k_sn, ksc_ptr, ksc_sn, ks_ptr, ke_ptr,
-                          n_keys, out_ptr, out_stride,
-                          BN: tl.constexpr, H: tl.constexpr, FNUZ: tl.constexpr, UNIT2: tl.constexpr):
+                          n_keys, out_ptr, out_stride, lut_ptr,
+                          BN: tl.constexpr, H: tl.constexpr, UNIT2: tl.constexpr):
     # Program (query t, block): logits of pools [block*BN, block*BN + BN) for query t.
     t = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1).to(tl.int64)
@@ -187,9 +174,9 @@ def _ragged_logits_kernel(q_ptr, q_st, q_sh, w_ptr, w_st, w_sh, k_ptr, k_sn, ksc
     acc = tl.zeros([BN], tl.float32)
     if (blk * BN < hi) & (blk * BN + BN > lo):
         kscale = tl.load(ksc_ptr + j * ksc_sn, mask=vis, other=0.0)
-        q0, q1, q2, q_nan = query_limbs(q_ptr + t * q_st + hh[:, None] * q_sh + d[None, :], FNUZ)
+        q0, q1, q2, q_nan = query_limbs(q_ptr + t * q_st + hh[:, None] * q_sh + d[None, :], lut_ptr)
         acc = block_logits(q0, q1, q2, q_nan, tl.load(w_ptr + t * w_st + hh * w_sh),
-                           k_ptr + j[None, :] * k_sn + d[:, None], vis, kscale, BN, H, FNUZ, UNIT2)
+                           k_ptr + j[None, :] * k_sn + d[:, None], vis, kscale, lut_ptr, BN, H, UNIT2)
     out = tl.where(vis, acc, float("-inf"))
     tl.store(out_ptr + t * out_stride + j, out, mask=j < n_keys)
 
@@ -305,9 +292,9 @@ def paged_pool_logits(q_fp8, kv_cache, weights, pool_lens, page_table, *, layout
         q8, q8.stride(0), q8.stride(1), q8.stride(2), weights, weights.stride(0), weights.stride(1),
         weights.stride(2), pool_lens, pool_lens.stride(0), pool_lens.stride(1),
         page_table, page_table.stride(0), page_table.stride(1), kv_cache, kv_cache.view(torch.float32),
-        kv_cache.stride(0), num_pages, out, out.stride(0), max_pools, limit, next_n,
-        PAGE=page, BN=BLOCK_POOLS, H=heads, PRESHUFFLE=layout == "preshuffle",
-        FNUZ=fp8_dtype == torch.float8_e4m3fnuz, UNIT2=unit2(fp8_dtype), enable_fp_fusion=False,
+        kv_cache.stride(0), num_pages, out, out.stride(0), max_pools, limit, next_n, limb_table(fp8_dtype, device),
+        PAGE=page, BN=BLOCK_POOLS, H=heads, PRESHUFFLE=layout == "preshuffle", UNIT2=unit2(fp8_dtype),
+        enable_fp_fusion=False,
     )
     return out
 
@@ -362,8 +349,7 @@ def ragged_pool_logits(q_fp8, k_codes, k_scale, weights, ks, ke, *, fp8_dtype=No
     grid = (n_q, triton.cdiv(n_keys, BLOCK_POOLS))
     _ragged_logits_kernel[grid](
         q8, q8.stride(0), q8.stride(1), weights, weights.stride(0), weights.stride(1),
-        k8, k8.stride(0), k_scale, k_scale.stride(0), ks, ke, n_keys, out, out.stride(0),
-        BN=BLOCK_POOLS, H=heads, FNUZ=fp8_dtype == torch.float8_e4m3fnuz, UNIT2=unit2(fp8_dtype),
-        enable_fp_fusion=False,
+        k8, k8.stride(0), k_scale, k_scale.stride(0), ks, ke, n_keys, out, out.stride(0), limb_table(fp8_dtype, device),
+        BN=BLOCK_POOLS, H=heads, UNIT2=unit2(fp8_dtype), enable_fp_fusion=False,
     )
     return out

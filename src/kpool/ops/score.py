@@ -18,6 +18,7 @@ import triton.language as tl
 from .. import reference
 from .._backend import backend_for
 from . import topk
+from ._jit_fp8 import limb_table
 from .logits import check_paged_args, paged_block_logits, query_limbs, unit2
 
 BLOCK_POOLS = 64  # pools per scoring tile
@@ -26,9 +27,9 @@ BLOCK_POOLS = 64  # pools per scoring tile
 @triton.jit
 def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_ptr, lens_stride,
                        pt_ptr, pt_sb, pt_sp, kv_ptr, kv_f32_ptr, page_stride, num_pages,
-                       cand_ptr, out_ptr, out_stride, vis_limit, next_n, select_k, n_chunks,
+                       cand_ptr, out_ptr, out_stride, vis_limit, next_n, select_k, n_chunks, lut_ptr,
                        PAGE: tl.constexpr, BN: tl.constexpr, NT: tl.constexpr, KB: tl.constexpr, H: tl.constexpr,
-                       PRESHUFFLE: tl.constexpr, FNUZ: tl.constexpr, UNIT2: tl.constexpr, FINAL: tl.constexpr):
+                       PRESHUFFLE: tl.constexpr, UNIT2: tl.constexpr, FINAL: tl.constexpr):
     # Program (row = b * next_n + t, chunk): the KB best ranking keys of pools
     # [chunk * NT * BN, (chunk + 1) * NT * BN) of that row, scored NT tiles of BN pools.
     row = tl.program_id(0).to(tl.int64)
@@ -39,7 +40,7 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
     if n_vis > select_k:
         hh = tl.arange(0, H)
         q0, q1, q2, q_nan = query_limbs(q_ptr + b * q_sb + t * q_sn + hh[:, None] * q_sh
-                                        + tl.arange(0, 128)[None, :], FNUZ)
+                                        + tl.arange(0, 128)[None, :], lut_ptr)
         w = tl.load(w_ptr + b * w_sb + t * w_sn + hh * w_sh)
         tiles = tl.arange(0, NT)
         keys = tl.full((NT, BN), -9223372036854775807 - 1, tl.int64)  # [NT, BN], INT64_MIN = not seen
@@ -48,10 +49,10 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
             if start < n_vis:
                 j = start + tl.arange(0, BN)
                 x = paged_block_logits(q0, q1, q2, q_nan, w, kv_ptr, kv_f32_ptr, page_stride, num_pages,
-                                       pt_ptr + b * pt_sb, pt_sp, j, n_vis, PAGE, BN, H, PRESHUFFLE, FNUZ, UNIT2)
+                                       pt_ptr + b * pt_sb, pt_sp, j, n_vis, lut_ptr, PAGE, BN, H, PRESHUFFLE, UNIT2)
                 keys = tl.where(tiles[:, None] == i, topk.pool_keys(x, j, j < n_vis)[None, :], keys)
         topk.store_leaf(tl.reshape(keys, (NT * BN,)), cand_ptr + (row * n_chunks + chunk) * KB,
-                        out_ptr + row * out_stride, n_vis, select_k, KB, FINAL)
+                        out_ptr + row * out_stride, n_vis, select_k, NT * BN, KB, FINAL)
     elif FINAL:
         topk.emit_selection(out_ptr + row * out_stride, tl.full((KB,), -9223372036854775807 - 1, tl.int64), n_vis,
                             select_k, KB)
@@ -98,10 +99,9 @@ def paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, *
         q8, q8.stride(0), q8.stride(1), q8.stride(2), weights, weights.stride(0), weights.stride(1),
         weights.stride(2), lens, lens.stride(0), page_table, page_table.stride(0), page_table.stride(1),
         kv_cache, kv_cache.view(torch.float32), kv_cache.stride(0), kv_cache.shape[0],
-        cand, out, out.stride(0), limit, next_n, select_k, n_chunks,
+        cand, out, out.stride(0), limit, next_n, select_k, n_chunks, limb_table(fp8_dtype, device),
         PAGE=kv_cache.shape[1], BN=BLOCK_POOLS, NT=chunk // BLOCK_POOLS, KB=kb, H=heads,
-        PRESHUFFLE=layout == "preshuffle", FNUZ=fp8_dtype == torch.float8_e4m3fnuz, UNIT2=unit2(fp8_dtype),
-        FINAL=final, enable_fp_fusion=False,
+        PRESHUFFLE=layout == "preshuffle", UNIT2=unit2(fp8_dtype), FINAL=final, enable_fp_fusion=False,
     )
     if not final:
         topk.merge_lists(cand, lens, limit, select_k, out)

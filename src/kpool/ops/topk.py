@@ -14,7 +14,8 @@ the inputs; pools a row does not see get the key ``INT64_MIN``.
 Kernels (a tree of bitonic top-k, ``tl.topk``, over unique int64 keys):
 
 1. leaves: one program per (row, chunk of ``CHUNK`` pools) keeps the ``KB`` best keys of
-   its chunk (``KB = next_pow2(select_k)``), sorted. ``_chunk_topk_kernel`` reads the keys'
+   its chunk (``KB = next_pow2(select_k)``), sorted (all of them, padded, when ``CHUNK <
+   KB``: small rows batches get more, smaller leaves). ``_chunk_topk_kernel`` reads the keys'
    scores from a logits row; ``ops/score.py``'s fused decode kernel computes them on chip
    and never writes a logits row.
 2. ``_merge_topk_kernel``: one program per (row, group of up to ``MERGE_FANIN`` lists)
@@ -35,8 +36,9 @@ from .. import reference
 from .._backend import backend_for, interpreting
 from .._checks import INT_DTYPES, check_tensor, range_checks_enabled
 
-MIN_CHUNK = 512  # leaf size at least this (and at least KB)
-MAX_CHUNK_FACTOR = 4  # leaves of up to 4 * max(KB, MIN_CHUNK) pools
+LEAF_BASE = 512  # leaves of up to MAX_CHUNK_FACTOR * max(KB, LEAF_BASE) pools ...
+MAX_CHUNK_FACTOR = 4
+MIN_CHUNK = 128  # ... and at least this many (smaller leaves keep all their keys, sorted)
 MERGE_FANIN = 8  # lists merged per program
 PROGRAMS_PER_SM = 2  # leaf grid target when choosing the leaf size
 _NO_KEY = -9223372036854775807 - 1  # INT64_MIN: a pool the row does not see
@@ -76,10 +78,29 @@ def emit_selection(out_ptr, keys, n_vis, select_k, KB: tl.constexpr):
 
 
 @triton.jit
-def store_leaf(keys, cand_ptr, out_ptr, n_vis, select_k, KB: tl.constexpr, FINAL: tl.constexpr):
-    """A leaf's ``KB`` best of ``keys [CHUNK]``: sorted keys to ``cand_ptr``, or (``FINAL``,
-    the row's only leaf) its selection to ``out_ptr``."""
-    top = tl.topk(keys, KB)
+def best_of_lists(lists, LOG_G: tl.constexpr, KB: tl.constexpr):
+    """The ``KB`` best keys of ``2^LOG_G`` descending lists ``[2^LOG_G, KB]`` -> descending ``[KB]``.
+
+    Pairwise: ``max(a, flip(b))`` holds the ``KB`` best of two descending lists as a bitonic
+    sequence, which one bitonic merge sorts (``log2(KB)`` steps instead of a full sort).
+    """
+    for i in tl.static_range(LOG_G):
+        half: tl.constexpr = 1 << (LOG_G - 1 - i)
+        a, b = tl.split(tl.permute(tl.reshape(lists, (half, 2, KB)), (0, 2, 1)))
+        lists = tl.bitonic_merge(tl.maximum(a, tl.flip(b, 1)), descending=True)
+    return tl.reshape(lists, (KB,))
+
+
+@triton.jit
+def store_leaf(keys, cand_ptr, out_ptr, n_vis, select_k, CHUNK: tl.constexpr, KB: tl.constexpr,
+               FINAL: tl.constexpr):
+    """A leaf's ``KB`` best of ``keys [CHUNK]`` (all of them, sorted, ``INT64_MIN``-padded when
+    ``CHUNK < KB``): to ``cand_ptr``, or (``FINAL``, the row's only leaf) as ids to ``out_ptr``."""
+    if CHUNK >= KB:
+        top = tl.topk(keys, KB)
+    else:
+        pad = tl.arange(0, KB // CHUNK)[:, None] == 0
+        top = tl.reshape(tl.where(pad, tl.sort(keys, descending=True)[None, :], -9223372036854775807 - 1), (KB,))
     if FINAL:
         emit_selection(out_ptr, top, n_vis, select_k, KB)
     else:
@@ -98,7 +119,7 @@ def _chunk_topk_kernel(x_ptr, x_stride, lens_ptr, lens_stride, cand_ptr, out_ptr
         vis = j < n_vis
         x = tl.load(x_ptr + row * x_stride + j, mask=vis, other=0.0)
         store_leaf(pool_keys(x, j, vis), cand_ptr + (row * n_chunks + chunk) * KB, out_ptr + row * out_stride,
-                   n_vis, select_k, KB, FINAL)
+                   n_vis, select_k, CHUNK, KB, FINAL)
     elif FINAL:
         emit_selection(out_ptr + row * out_stride, tl.full((KB,), -9223372036854775807 - 1, tl.int64), n_vis,
                        select_k, KB)
@@ -106,8 +127,9 @@ def _chunk_topk_kernel(x_ptr, x_stride, lens_ptr, lens_stride, cand_ptr, out_ptr
 
 @triton.jit
 def _merge_topk_kernel(cand_ptr, n_in, lens_ptr, lens_stride, n_cols, next_ptr, n_out, out_ptr, out_stride,
-                       select_k, G: tl.constexpr, KB: tl.constexpr, FINAL: tl.constexpr):
+                       select_k, LOG_G: tl.constexpr, KB: tl.constexpr, FINAL: tl.constexpr):
     # Program (row, group): the KB best keys of lists [group*G, group*G + G) of cand[row] (n_in lists).
+    G: tl.constexpr = 1 << LOG_G
     row = tl.program_id(0).to(tl.int64)
     grp = tl.program_id(1).to(tl.int64)
     n_vis = visible_pools(lens_ptr, row * lens_stride, n_cols)
@@ -116,7 +138,7 @@ def _merge_topk_kernel(cand_ptr, n_in, lens_ptr, lens_stride, n_cols, next_ptr, 
         c = tl.arange(0, KB)
         keys = tl.load(cand_ptr + (row * n_in + lst[:, None]) * KB + c[None, :], mask=(lst < n_in)[:, None],
                        other=-9223372036854775807 - 1)
-        top = tl.topk(tl.reshape(keys, (G * KB,)), KB)
+        top = best_of_lists(keys, LOG_G, KB)
         if FINAL:
             emit_selection(out_ptr + row * out_stride, top, n_vis, select_k, KB)
         else:
@@ -126,25 +148,27 @@ def _merge_topk_kernel(cand_ptr, n_in, lens_ptr, lens_stride, n_cols, next_ptr, 
                        select_k, KB)
 
 
+MIN_KB = 16  # tl.topk / tl.arange below 16 keys do not lower on every target
+
+
 def key_block(select_k: int) -> int:
-    """``KB``: keys kept per list (the power of two at or above ``select_k``)."""
-    return triton.next_power_of_2(select_k)
+    """``KB``: keys kept per list (the power of two at or above ``select_k``, at least ``MIN_KB``)."""
+    return max(triton.next_power_of_2(select_k), MIN_KB)
 
 
 def plan_leaves(rows: int, n_cols: int, select_k: int, device, granule: int = 1):
     """``(CHUNK, n_chunks)`` for the leaves of ``rows`` rows of ``n_cols`` pools: the largest
-    ``CHUNK`` in ``max(KB, MIN_CHUNK, granule) * {4, 2, 1}`` whose grid still fills the GPU
-    (the smallest off the GPU, so that the CPU lanes exercise the merge levels)."""
-    base = max(key_block(select_k), MIN_CHUNK, granule)
+    power of two from ``max(KB, 512) * MAX_CHUNK_FACTOR`` down to ``max(MIN_CHUNK, granule)``
+    whose grid still fills the GPU (the smallest off the GPU, so that the CPU lanes exercise
+    the merge levels)."""
     if device.type == "cuda" and not interpreting():
         want = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
     else:
         want = 1 << 62
-    chunk = base
-    for f in (MAX_CHUNK_FACTOR, 2):
-        if rows * triton.cdiv(n_cols, base * f) >= want:
-            chunk = base * f
-            break
+    floor = max(MIN_CHUNK, granule)
+    chunk = max(key_block(select_k), LEAF_BASE, floor) * MAX_CHUNK_FACTOR
+    while chunk > floor and rows * triton.cdiv(n_cols, chunk) < want:
+        chunk //= 2
     return chunk, triton.cdiv(n_cols, chunk)
 
 
@@ -159,7 +183,7 @@ def merge_lists(cand, lens, n_cols, select_k, out) -> None:
         nxt = cand if final else torch.empty((rows, n_out, kb), dtype=torch.int64, device=cand.device)
         _merge_topk_kernel[(rows, n_out)](
             cand, n_in, lens, lens.stride(0), n_cols, nxt, n_out, out, out.stride(0), select_k,
-            G=g, KB=kb, FINAL=final,
+            LOG_G=g.bit_length() - 1, KB=kb, FINAL=final,
         )
         if final:
             return
