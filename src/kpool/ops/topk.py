@@ -39,7 +39,7 @@ from .._checks import INT_DTYPES, check_tensor, range_checks_enabled
 LEAF_BASE = 512  # leaves of up to MAX_CHUNK_FACTOR * max(KB, LEAF_BASE) pools ...
 MAX_CHUNK_FACTOR = 4
 MIN_CHUNK = 128  # ... and at least this many (smaller leaves keep all their keys, sorted)
-MERGE_FANIN = 8  # lists merged per program
+MERGE_FANIN = 8  # lists merged per program (best_of_lists takes at most 8)
 PROGRAMS_PER_SM = 2  # leaf grid target when choosing the leaf size
 _NO_KEY = -9223372036854775807 - 1  # INT64_MIN: a pool the row does not see
 
@@ -78,16 +78,27 @@ def emit_selection(out_ptr, keys, n_vis, select_k, KB: tl.constexpr):
 
 
 @triton.jit
-def best_of_lists(lists, LOG_G: tl.constexpr, KB: tl.constexpr):
-    """The ``KB`` best keys of ``2^LOG_G`` descending lists ``[2^LOG_G, KB]`` -> descending ``[KB]``.
+def _merge_pairs(lists, HALF: tl.constexpr, KB: tl.constexpr):
+    """``[2 * HALF, KB]`` descending lists -> ``[HALF, KB]``: the ``KB`` best of each pair.
 
-    Pairwise: ``max(a, flip(b))`` holds the ``KB`` best of two descending lists as a bitonic
-    sequence, which one bitonic merge sorts (``log2(KB)`` steps instead of a full sort).
+    ``max(a, flip(b))`` holds the ``KB`` best of two descending lists as a bitonic sequence,
+    which one bitonic merge sorts (``log2(KB)`` steps instead of a full sort).
     """
-    for i in tl.static_range(LOG_G):
-        half: tl.constexpr = 1 << (LOG_G - 1 - i)
-        a, b = tl.split(tl.permute(tl.reshape(lists, (half, 2, KB)), (0, 2, 1)))
-        lists = tl.bitonic_merge(tl.maximum(a, tl.flip(b, 1)), descending=True)
+    a, b = tl.split(tl.permute(tl.reshape(lists, (HALF, 2, KB)), (0, 2, 1)))
+    return tl.bitonic_merge(tl.maximum(a, tl.flip(b, 1)), descending=True)
+
+
+@triton.jit
+def best_of_lists(lists, LOG_G: tl.constexpr, KB: tl.constexpr):
+    """The ``KB`` best keys of ``2^LOG_G`` (at most 8) descending lists ``[2^LOG_G, KB]`` ->
+    descending ``[KB]``, by pairwise merges."""
+    tl.static_assert(LOG_G <= 3)
+    if LOG_G == 3:
+        lists = _merge_pairs(lists, 4, KB)
+    if LOG_G >= 2:
+        lists = _merge_pairs(lists, 2, KB)
+    if LOG_G >= 1:
+        lists = _merge_pairs(lists, 1, KB)
     return tl.reshape(lists, (KB,))
 
 
