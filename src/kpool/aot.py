@@ -28,7 +28,8 @@ Spec (``KernelSpec``): the argument types plus the constexpr cases to compile.
 * ``fixed``: constexprs common to every case; ``derive``: ``case -> dict`` of parameters the
   launcher computes from others (e.g. the tile size from P; reuse the launcher's own helpers
   and constants); ``options``: the launcher's compile options (``num_warps``,
-  ``enable_fp_fusion=False``). Keys starting with ``_`` are dropped after ``derive``.
+  ``enable_fp_fusion=False``); a case key ``_opt_<name>`` sets option ``<name>`` for that
+  case. Keys starting with ``_`` are dropped after ``derive``.
 * ``target_derive``: ``(case, target name) -> dict`` of parameters the launcher takes from
   the device, applied per target after ``derive`` (shown in the job's label). The fp8
   writers use ``native_fp8_param``: ``NATIVE_FP8`` as ``_backend.native_fp8`` chooses by
@@ -211,8 +212,9 @@ def _decode_specs(m):
         ptrs=dict(kv_ptr="u8", kv_f32_ptr="fp32", tail_ptr="bf16", key_ptr="bf16", g_ptr="bf16", ape_ptr="fp32",
                   ts_ptr="i64", loc_ptr="i64", pos_ptr="i64"),
         cross=(pool_ring_axis(), layout_axis(), fp8_axis("FP8_MAX", "FNUZ")),
-        cycle=(steps, flag("ROUND_SCALE"), _PAGE, int_ptr_axis("ts_ptr", "loc_ptr", "pos_ptr")),
-        target_derive=native_fp8_param, options=dict(enable_fp_fusion=False, num_warps=m.DECODE_WARPS))}
+        cycle=(steps, flag("ROUND_SCALE"), _PAGE, int_ptr_axis("ts_ptr", "loc_ptr", "pos_ptr"),
+               axis("_opt_num_warps", sorted({m.decode_warps(1), m.decode_warps(1 << 20)}))),
+        target_derive=native_fp8_param, options=dict(enable_fp_fusion=False))}
 
 
 def _tail_specs(m):
@@ -320,7 +322,7 @@ def _score_specs(m):
         cycle=(_leaf_axis(m.BLOCK_POOLS, "_chunk"), flag("FINAL"), _PAGE, axis("next_n", (1, "i32")),
                int_ptr_axis("lens_ptr", "pt_ptr")),
         derive=lambda c: dict(NT=c["_chunk"] // m.BLOCK_POOLS),
-        fixed=dict(BN=m.BLOCK_POOLS), options=dict(enable_fp_fusion=False))}
+        fixed=dict(BN=m.BLOCK_POOLS), options=dict(enable_fp_fusion=False, num_warps=m.NUM_WARPS))}
 
 
 SPECS = {  # module (relative to kpool) -> builder
@@ -556,6 +558,7 @@ def _jobs_for(name, mod, fn, spec, targets, tier):
         if spec.derive is not None:
             case.update(more_params(spec.derive, (case,), case, label, "derive"))
             label = _label({k: v for k, v in case.items() if k not in spec.fixed} | {"_hints": hints})
+        options = dict(spec.options, **{k[len("_opt_"):]: v for k, v in case.items() if k.startswith("_opt_")})
         case = {k: v for k, v in case.items() if not k.startswith("_")}
         for target in targets:
             t_case, t_label = case, label
@@ -564,7 +567,7 @@ def _jobs_for(name, mod, fn, spec, targets, tier):
                 t_case = {**case, **more}
                 t_label = _label({k: v for k, v in t_case.items() if k not in spec.fixed} | {"_hints": hints})
             signature, constexprs = _signature(name, params, spec, t_case)
-            jobs.append(AotJob(name, mod.__name__, target, signature, constexprs, hints, dict(spec.options), t_label))
+            jobs.append(AotJob(name, mod.__name__, target, signature, constexprs, hints, options, t_label))
     return jobs
 
 

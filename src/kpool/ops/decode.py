@@ -20,7 +20,13 @@ from .._checks import (INT_DTYPES, check_head_dim, check_index_range, check_kv_c
 from ..layout import HEAD_DIM, fp8_max, resolve_fp8_dtype, resolve_layout
 from . import _jit
 
-DECODE_WARPS = 1  # one request per program; see benchmarks/NOTES.md
+SMALL_BATCH = 256  # requests; up to this many, a program (one request) gets 2 warps, else 1
+
+
+def decode_warps(num_req: int) -> int:
+    """Warps per program: 2 for batches of at most ``SMALL_BATCH`` requests, else 1 (H200 sweep
+    of 1/2/4/8 warps over 24 configurations, benchmarks/NOTES.md)."""
+    return 2 if num_req <= SMALL_BATCH else 1
 
 
 @triton.jit
@@ -175,6 +181,6 @@ def kpool_decode_update_and_maybe_write_cache_batched(kv_cache, tail_kv_cache, t
         positions, *positions.stride(), next_n,
         P=pool_size, RING=ring, PAGE=kv_cache.shape[1], NB=triton.next_power_of_2(next_n),
         PRESHUFFLE=layout == "preshuffle", FP8_MAX=fp8_max(fp8_dtype), FNUZ=fp8_dtype == torch.float8_e4m3fnuz,
-        ROUND_SCALE=round_scale, NATIVE_FP8=native_fp8(device, fp8_dtype), num_warps=DECODE_WARPS, enable_fp_fusion=False,
+        ROUND_SCALE=round_scale, NATIVE_FP8=native_fp8(device, fp8_dtype), num_warps=decode_warps(num_req), enable_fp_fusion=False,
     )
     return None

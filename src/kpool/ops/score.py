@@ -22,6 +22,7 @@ from ._jit_fp8 import limb_table
 from .logits import check_paged_args, paged_block_logits, query_limbs, unit2
 
 BLOCK_POOLS = 64  # pools per scoring tile
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -101,7 +102,8 @@ def paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, *
         kv_cache, kv_cache.view(torch.float32), kv_cache.stride(0), kv_cache.shape[0],
         cand, out, out.stride(0), limit, next_n, select_k, n_chunks, limb_table(fp8_dtype, device),
         PAGE=kv_cache.shape[1], BN=BLOCK_POOLS, NT=chunk // BLOCK_POOLS, KB=kb, H=heads,
-        PRESHUFFLE=layout == "preshuffle", UNIT2=unit2(fp8_dtype), FINAL=final, enable_fp_fusion=False,
+        PRESHUFFLE=layout == "preshuffle", UNIT2=unit2(fp8_dtype), FINAL=final,
+        num_warps=NUM_WARPS, enable_fp_fusion=False,
     )
     if not final:
         topk.merge_lists(cand, lens, limit, select_k, out)
