@@ -102,12 +102,12 @@ def weights(shape, seed):
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _decode_all_kernel(code_ptr, int_ptr, nan_ptr, val_ptr, FNUZ: tl.constexpr):
+def _limbs_all_kernel(code_ptr, lut_ptr, out_ptr):
     c = tl.load(code_ptr + tl.arange(0, 256))
-    v, n = _jit_fp8.fp8_int(c, FNUZ)
-    tl.store(int_ptr + tl.arange(0, 256), v)
-    tl.store(nan_ptr + tl.arange(0, 256), n.to(tl.int32))
-    tl.store(val_ptr + tl.arange(0, 256), _jit_fp8.fp8_decode(c, FNUZ))
+    l0, l1, l2, nan = _jit_fp8.fp8_limbs(c, lut_ptr)
+    i = tl.arange(0, 256)
+    tl.store(out_ptr + i, l0.to(tl.int32) + l1.to(tl.int32) * 64 + l2.to(tl.int32) * 4096)
+    tl.store(out_ptr + 256 + i, nan.to(tl.int32))
 
 
 @pytest.mark.parametrize("fp8_dtype", FP8)
@@ -122,23 +122,17 @@ def test_limb_table_all_codes(fp8_dtype):
 
 
 @pytest.mark.parametrize("fp8_dtype", FP8)
-def test_fp8_decode_all_codes(device, fp8_dtype):
+def test_fp8_limbs_kernel_all_codes(device, fp8_dtype):
+    """The kernels' decoder on the device: every code -> value / unit (exact), NaN flag."""
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).to(device)
-    ints = torch.empty(256, dtype=torch.int32, device=device)
-    nans = torch.empty(256, dtype=torch.int32, device=device)
-    vals = torch.empty(256, dtype=torch.float32, device=device)
-    fnuz = fp8_dtype == torch.float8_e4m3fnuz
-    _decode_all_kernel[(1,)](codes, ints, nans, vals, FNUZ=fnuz)
-    want = codes.cpu().view(fp8_dtype).float()
-    unit = _jit_fp8.fp8_unit(fnuz)
-    assert torch.equal(nans.cpu().bool(), torch.isnan(want))
-    assert torch.equal(ints.cpu().double() * unit, torch.nan_to_num(want, nan=0.0).double())
-    assert_same_f32(vals, want, "fp8_decode")
-    num = ~torch.isnan(want)
-    assert torch.equal(torch.signbit(vals.cpu())[num], torch.signbit(want)[num])  # -0.0 kept (fn 0x80)
-    table, tnan, tunit = reference.fp8_int_table(fp8_dtype, "cpu")
-    assert tunit == unit and torch.equal(table, ints.cpu().double()) and torch.equal(tnan, nans.cpu().bool())
-    assert int(ints.abs().max()) == (229376 if not fnuz else 245760)
+    out = torch.empty(512, dtype=torch.int32, device=device)
+    _limbs_all_kernel[(1,)](codes, _jit_fp8.limb_table(fp8_dtype, device), out)
+    ints, nan, unit = reference.fp8_int_table(fp8_dtype, "cpu")
+    want = codes.cpu().view(fp8_dtype).double()
+    assert unit == _jit_fp8.fp8_unit(fp8_dtype == torch.float8_e4m3fnuz)
+    assert torch.equal(out[:256].cpu().double(), ints) and torch.equal(out[256:].cpu().bool(), nan)
+    assert torch.equal(torch.nan_to_num(want, nan=0.0), ints * unit) and torch.equal(torch.isnan(want), nan)
+    assert int(out[:256].abs().max()) == (229376 if fp8_dtype == torch.float8_e4m3fn else 245760)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,9 +1,8 @@
-"""Shared ``@triton.jit`` fp8 e4m3 *decoders* built from integer ops (the inverse of
-``_jit.fp8_encode``).
+"""fp8 e4m3 code -> exact integer limbs for the scoring kernels (the inverse of ``_jit.fp8_encode``).
 
-No Triton fp8 conversion is used, so they compile for every target (sm_80 has no
-``float8e4nv`` conversion, gfx942 needs ``float8e4b8``) and run unchanged in the CPU
-interpreter.
+No Triton fp8 conversion is used (a 256-entry table built by torch, read with one load per
+code), so the decoder compiles for every target (sm_80 has no ``float8e4nv`` conversion,
+gfx942 needs ``float8e4b8``) and runs unchanged in the CPU interpreter.
 
 Every finite e4m3 value is an integer multiple of a unit: ``2^-9`` for e4m3fn (bias 7)
 and ``2^-10`` for e4m3fnuz (bias 8). With ``e`` the 4 exponent bits and ``m`` the 3
@@ -24,36 +23,8 @@ UNIT_FNUZ = 2.0 ** -10  # e4m3fnuz integer unit
 
 
 def fp8_unit(fnuz: bool) -> float:
-    """The value of integer 1 in ``fp8_int``'s representation."""
+    """The value of integer 1 in the integer representation of the codes."""
     return UNIT_FNUZ if fnuz else UNIT_FN
-
-
-@triton.jit
-def fp8_int(code, FNUZ: tl.constexpr):
-    """uint8 e4m3 code -> ``(value / unit)`` as int32 (exact, NaN codes -> 0), NaN flag (bool)."""
-    c = code.to(tl.int32) & 0xFF
-    e = (c >> 3) & 0xF
-    m = c & 0x7
-    mag = tl.where(e == 0, m, (m + 8) << tl.maximum(e - 1, 0))
-    if FNUZ:
-        nan = c == 0x80
-    else:
-        nan = (c & 0x7F) == 0x7F
-    mag = tl.where(nan, 0, mag)
-    return tl.where((c & 0x80) != 0, -mag, mag), nan
-
-
-@triton.jit
-def fp8_decode(code, FNUZ: tl.constexpr):
-    """uint8 e4m3 code -> its exact fp32 value (NaN codes -> NaN, 0x80 -> -0.0 for fn)."""
-    v, nan = fp8_int(code, FNUZ)
-    if FNUZ:
-        unit: tl.constexpr = 0.0009765625  # 2^-10
-    else:
-        unit: tl.constexpr = 0.001953125  # 2^-9
-    x = tl.abs(v).to(tl.float32) * unit
-    x = tl.where((code.to(tl.int32) & 0x80) != 0, -x, x)
-    return tl.where(nan, float("nan"), x)
 
 
 @functools.lru_cache(maxsize=None)
@@ -72,8 +43,9 @@ _TABLES = {}
 
 
 def limb_table(fp8_dtype, device) -> torch.Tensor:
-    """int32 ``[256]``: code -> ``l0 | l1 << 8 | l2 << 16 | nan << 24`` (int8 limbs of ``fp8_int``,
-    ``l0 + l1 * 2^6 + l2 * 2^12 == value / unit``), for ``fp8_limbs``; cached per device."""
+    """int32 ``[256]``: code -> ``l0 | l1 << 8 | l2 << 16 | nan << 24``, signed int8 limbs with
+    ``l0 + l1 * 2^6 + l2 * 2^12 == value / unit`` (0 for NaN codes), for ``fp8_limbs``; cached
+    per device."""
     key = (fp8_dtype, str(device))
     if key not in _TABLES:
         _TABLES[key] = _limb_table_cpu(fp8_dtype == torch.float8_e4m3fnuz).to(device)
@@ -82,7 +54,7 @@ def limb_table(fp8_dtype, device) -> torch.Tensor:
 
 @triton.jit
 def fp8_limbs(code, table_ptr):
-    """uint8 e4m3 codes -> int8 limbs ``(l0, l1, l2)`` of ``fp8_int`` and its NaN flag, by one
+    """uint8 e4m3 codes -> int8 limbs ``(l0, l1, l2)`` of ``value / unit`` and a NaN flag, by one
     lookup in ``limb_table`` (1 KiB, cache resident) instead of ~25 integer ops."""
     t = tl.load(table_ptr + code.to(tl.int32))
     return t.to(tl.int8), (t >> 8).to(tl.int8), (t >> 16).to(tl.int8), ((t >> 24) & 1) != 0

@@ -10,7 +10,7 @@ Exact formulation (identical fp32 bits in the torch reference, under the Triton 
 interpreter and on every GPU; kernels are launched with ``enable_fp_fusion=False``):
 
 1. Every e4m3 code stands for an integer ``|i| < 2^18`` times a unit ``u`` (``2^-9``
-   e4m3fn, ``2^-10`` e4m3fnuz; ``_jit_fp8.fp8_int``). The head dot product ``q8[h].k8[j]``
+   e4m3fn, ``2^-10`` e4m3fnuz; ``reference.fp8_int_table``). The head dot product ``q8[h].k8[j]``
    is the exact integer sum of 128 products (``|sum| < 128 * 2^36 = 2^43``), converted
    ONCE to fp32 (round to nearest even) and multiplied by ``u^2`` (exact). A NaN code in
    either vector makes it NaN. The kernels get the exact sum from int8 ``tl.dot``s: each
