@@ -289,15 +289,14 @@ def _kb_axis():
 
 
 def _leaf_axis(granule=1, key="CHUNK"):
-    """(KB, leaf size under ``key``) as ``topk.plan_leaves`` picks them: powers of two from
-    ``max(MIN_CHUNK, granule)`` to ``max(KB, LEAF_BASE) * MAX_CHUNK_FACTOR``."""
+    """(KB, leaf size under ``key``) at the ends of ``topk.plan_leaves``' range: the smallest
+    leaf (``max(MIN_CHUNK, granule)``, below KB: the sort-and-pad path) and the largest
+    (``max(KB, LEAF_BASE, granule) * MAX_CHUNK_FACTOR``: the top-k path)."""
     from .ops import topk
     out = []
     for kb in (128, 512):
-        chunk = max(topk.MIN_CHUNK, granule)
-        while chunk <= max(kb, topk.LEAF_BASE, granule) * topk.MAX_CHUNK_FACTOR:
+        for chunk in (max(topk.MIN_CHUNK, granule), max(kb, topk.LEAF_BASE, granule) * topk.MAX_CHUNK_FACTOR):
             out.append({"KB": kb, key: chunk})
-            chunk *= 2
     return out
 
 
