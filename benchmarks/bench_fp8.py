@@ -1,11 +1,11 @@
 """fp8 encoding in the writers (issue 6): software (integer ops) vs the native conversion.
 
 The same compress + write as ``bench_compress`` (plain layout, e4m3fn, P = 4 and 16,
-262,144 pools), run twice: ``software`` (``KPOOL_FP8_ENCODER=software``, the default:
+262,144 pools), run twice: ``software`` (``KPOOL_FP8_ENCODER=software``: integer ops,
 ``_jit.fp8_encode``) and ``native`` (``KPOOL_FP8_ENCODER=native``: Triton's
 ``.to(tl.float8e4nv)``, on targets that have it). Both are checked byte for byte against
-the CPU torch reference before timing. The ratio decides the default encoder
-(``kpool._backend.native_fp8``; benchmarks/NOTES.md records it).
+the CPU torch reference before timing. The ratio decided the default (``auto`` = native where
+available: ``kpool._backend.native_fp8``; benchmarks/NOTES.md records the measurement).
 """
 
 from __future__ import annotations

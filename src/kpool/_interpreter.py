@@ -15,8 +15,9 @@ formats torch lacks (``fp8e4b15``) go to the original routine. A self-test runs 
 after patching (the converter on its own, then a tiny kernel through the interpreter's
 real cast paths) and raises ``RuntimeError`` if the fix did not take.
 
-kpool's kernels never rely on native downcasts (bf16 and fp8 rounding are integer ops in
-``ops/_jit.py``); this keeps any native conversion in the interpreter honest as well.
+bf16 rounding in kpool's kernels is integer ops (``ops/_jit.py``); the fp8 encoding uses the
+native conversion where the target has one (``_backend.native_fp8``; the interpreter counts
+as having both), so the interpreter lane exercises that path through this exact converter.
 
 It also gives the interpreter's reductions a vectorized path for ``xor_sum`` (the
 compare-and-swap step of ``tl.sort`` / ``tl.topk``), which it otherwise evaluates element
