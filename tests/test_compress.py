@@ -157,6 +157,27 @@ def test_backends_agree(device, pool, layout):
     assert_bytes_equal(rk[1], rt[1], "scale triton vs torch")
 
 
+@pytest.mark.parametrize("pool", [4, 16])
+def test_nan_and_inf_inputs_same_bytes(backend, device, pool):
+    """Non-finite keys and gates: every max is IEEE maxNum (NaN skipped) in the kernels and the
+    reference alike: a NaN gate in one slot, a dim whose gates are all NaN, an inf gate
+    (inf - inf), a NaN key, +inf and -inf keys in one dim (a partly NaN rotated row)."""
+    n = 8
+    cache = Cache(num_pages=2, page=32, device=device, seed=17)
+    k, s, ape = make_pools(n, pool, device, seed=23)
+    s[0, 1, 5] = float("nan")
+    s[1, :, 7] = float("nan")
+    s[2, pool - 1, 9] = float("inf")
+    k[3, 0, 3] = float("nan")
+    k[4, 0, 0], k[4, 1, 0] = float("inf"), float("-inf")
+    s[5, 0, 0] = float("-inf")
+    loc = torch.arange(n, device=device) * 3
+    for fp8 in FP8.values():
+        want_buf, _, _ = run_ref(cache, k, s, ape, loc, pool, "plain", fp8)
+        kpool.kpool_compress_and_write_cache(cache.kv, k, s, ape, loc, pool, layout="plain", fp8_dtype=fp8)
+        assert_bytes_equal(cache.buf, want_buf, f"kv_cache buffer with non-finite inputs ({backend}, {fp8})")
+
+
 # --- features one at a time ----------------------------------------------------------------
 
 def test_write_mask(backend, device):

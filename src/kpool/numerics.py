@@ -36,8 +36,11 @@ def _c(value: float, like: torch.Tensor) -> torch.Tensor:
 
 
 def exp_exact(x: torch.Tensor) -> torch.Tensor:
-    """``exp(x)`` for ``x <= 0`` from IEEE multiplies and adds only (rel. error < 4e-6)."""
-    t = torch.clamp_min(x * _c(LOG2E, x), EXP_T_MIN)
+    """``exp(x)`` for ``x <= 0`` from IEEE multiplies and adds only (rel. error < 4e-6).
+
+    The clamp at ``EXP_T_MIN`` is IEEE maxNum (a NaN argument gives ``2^EXP_T_MIN``), as
+    Triton's ``tl.maximum`` on every target."""
+    t = torch.fmax(x * _c(LOG2E, x), _c(EXP_T_MIN, x))
     n = torch.floor(t + _c(0.5, x))
     r = t - n
     p = torch.full_like(r, EXP2_POLY[0])
@@ -97,7 +100,10 @@ def quantize(y: torch.Tensor, fp8_dtype: torch.dtype, round_scale: bool = True) 
 
     Returns ``(codes [n, 128] uint8, scale [n] fp32)``.
     """
-    amax = torch.amax(torch.abs(y), dim=-1) if y.shape[0] else torch.zeros(0, dtype=_F32, device=y.device)
+    a = torch.abs(y)
+    # NaN-skipping max (as tl.max on every target); an all-NaN row gives 0, floored to 1e-4 below
+    amax = torch.where(torch.isnan(a), 0.0, a).amax(dim=-1) if y.shape[0] else torch.zeros(0, dtype=_F32,
+                                                                                            device=y.device)
     scale = quant_scale(amax, fp8_dtype, round_scale)
     return fp8_encode(y / scale[:, None], fp8_dtype), scale
 
@@ -106,13 +112,14 @@ def pool_softmax(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor) -> 
     """Per-dim softmax(gate + ape) pooling, rounded to bf16 (SPEC §2 steps 1-2).
 
     ``keys``, ``gates``: ``[n, P, 128]`` bf16; ``ape``: ``[P, 128]`` fp32. Returns fp32 ``[n, 128]``.
-    Slots are visited in order 0..P-1 (two passes: max, then exp / sums).
+    Slots are visited in order 0..P-1 (two passes: max, then exp / sums). The max starts at
+    ``-inf`` and is IEEE maxNum (NaN logits are skipped), as ``tl.maximum`` in the kernels.
     """
     n, pool, _ = keys.shape
     logits = gates.to(_F32) + ape.to(_F32)[None]
-    top = logits[:, 0]
-    for s in range(1, pool):
-        top = torch.maximum(top, logits[:, s])
+    top = torch.full_like(logits[:, 0], float("-inf"))
+    for s in range(pool):
+        top = torch.fmax(top, logits[:, s])
     acc = torch.zeros(n, HEAD_DIM, dtype=_F32, device=keys.device)
     den = torch.zeros_like(acc)
     for s in range(pool):
