@@ -48,6 +48,20 @@ def floor_bytes(p, n):
     return n * p * HEAD * 2 * 2 + p * HEAD * 4 + n * 8 + n * (HEAD + 4)
 
 
+def check_exact(ctx, fn, p, n):
+    """Run ``fn`` (plain layout, e4m3fn) on up to ``CHECK_POOLS`` pools and compare the whole cache
+    with the torch reference on the CPU: ``{"exact", "exact_note"}``."""
+    from kpool import reference
+    n_chk = min(n, CHECK_POOLS)
+    kv, k, g, ape, loc = make_inputs(ctx, p, n_chk, 99)
+    b, kc, gc, apec, locc = ctx.cpu(kv, k, g, ape, loc)
+    fn(kv, k, g, ape, loc)
+    reference.compress_and_write(b, kc, gc, apec, locc, None, FP8, "plain")
+    diff = int((kv.cpu() != b).sum())
+    return {"exact": diff == 0,
+            "exact_note": f"whole cache ({n_chk} pools) vs the torch reference on the CPU: {diff} bytes differ"}
+
+
 def make_inputs(ctx, p, n, i):
     base = 1000 * i + 17 * p
     num_pages = -(-n // PAGE) + 1
@@ -80,15 +94,7 @@ def bench(ctx, case, impl):
         raise ValueError(impl)
     extra = {"layout": "preshuffle" if impl == "seed" else "plain"}
     if impl == "ours" and ctx.check:
-        n_chk = min(n, CHECK_POOLS)
-        kv, k, g, ape, loc = make_inputs(ctx, p, n_chk, 99)
-        b, kc, gc, apec, locc = ctx.cpu(kv, k, g, ape, loc)
-        fn(kv, k, g, ape, loc)
-        reference.compress_and_write(b, kc, gc, apec, locc, None, FP8, "plain")
-        diff = int((kv.cpu() != b).sum())
-        extra.update(exact=diff == 0, exact_note=f"whole cache ({n_chk} pools) vs the torch reference on the CPU: "
-                                                 f"{diff} bytes differ")
-        del kv, k, g, b
+        extra.update(check_exact(ctx, fn, p, n))
     nbytes = floor_bytes(p, n)
     alloc = nbytes + (-(-n // PAGE) + 1) * PAGE * (HEAD + 4)
     return ctx.run(fn, lambda i: make_inputs(ctx, p, n, i), bytes=nbytes, alloc_bytes=alloc,

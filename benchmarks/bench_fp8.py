@@ -35,7 +35,6 @@ def targets(case):
 
 def bench(ctx, case, impl):
     import kpool
-    from kpool import reference
     from kpool._backend import FP8_ENCODER_ENV, native_fp8
     p, n = case["P"], case["pools"]
     fp8 = _COMPRESS.FP8
@@ -49,14 +48,7 @@ def bench(ctx, case, impl):
         os.environ[FP8_ENCODER_ENV] = impl
         extra = {"native_used": native_fp8(ctx.device, fp8)}
         if ctx.check:
-            n_chk = min(n, _COMPRESS.CHECK_POOLS)
-            kv, k, g, ape, loc = _COMPRESS.make_inputs(ctx, p, n_chk, 99)
-            b, kc, gc, apec, locc = ctx.cpu(kv, k, g, ape, loc)
-            fn(kv, k, g, ape, loc)
-            reference.compress_and_write(b, kc, gc, apec, locc, None, fp8, "plain")
-            diff = int((kv.cpu() != b).sum())
-            extra.update(exact=diff == 0, exact_note=f"whole cache ({n_chk} pools) vs the CPU torch reference: "
-                                                     f"{diff} bytes differ")
+            extra.update(_COMPRESS.check_exact(ctx, fn, p, n))
         nbytes = _COMPRESS.floor_bytes(p, n)
         alloc = nbytes + (-(-n // _COMPRESS.PAGE) + 1) * _COMPRESS.PAGE * (_COMPRESS.HEAD + 4)
         return ctx.run(fn, lambda i: _COMPRESS.make_inputs(ctx, p, n, i), bytes=nbytes, alloc_bytes=alloc,

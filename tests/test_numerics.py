@@ -40,19 +40,17 @@ def _f32_bits(x: torch.Tensor) -> torch.Tensor:
 # --- test kernels ---------------------------------------------------------------------------
 
 @triton.jit
-def _fp8_encode_kernel(x_ptr, o_ptr, n, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr, BLOCK: tl.constexpr):
+def _fp8_encode_kernel(x_ptr, o_ptr, n, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr, BLOCK: tl.constexpr,
+                       NATIVE: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     m = i < n
     x = tl.load(x_ptr + i, mask=m, other=0.0)
-    tl.store(o_ptr + i, _jit.fp8_encode(x, FP8_MAX, FNUZ), mask=m)
+    if NATIVE:
+        code = _jit.fp8_encode_native(x, FP8_MAX, FNUZ)
+    else:
+        code = _jit.fp8_encode(x, FP8_MAX, FNUZ)
+    tl.store(o_ptr + i, code, mask=m)
 
-
-@triton.jit
-def _fp8_encode_native_kernel(x_ptr, o_ptr, n, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr, BLOCK: tl.constexpr):
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
-    m = i < n
-    x = tl.load(x_ptr + i, mask=m, other=0.0)
-    tl.store(o_ptr + i, _jit.fp8_encode_native(x, FP8_MAX, FNUZ), mask=m)
 
 
 @triton.jit
@@ -152,9 +150,8 @@ def test_fp8_encode_matches_torch(fp8_dtype, encoder, device):
     x = torch.cat((_all_bf16_as_f32(), _random_f32(1 << 20, seed=1), _fp8_boundaries(fp8_dtype),
                    torch.tensor([math.nan, -math.nan, 0.0, -0.0])))
     want = numerics.fp8_encode(x, fp8_dtype)
-    kernel = _fp8_encode_kernel if encoder == "software" else _fp8_encode_native_kernel
-    got = _run_elementwise(kernel, x.to(device), torch.uint8, FP8_MAX=fp8_max(fp8_dtype),
-                           FNUZ=fp8_dtype == torch.float8_e4m3fnuz)
+    got = _run_elementwise(_fp8_encode_kernel, x.to(device), torch.uint8, FP8_MAX=fp8_max(fp8_dtype),
+                           FNUZ=fp8_dtype == torch.float8_e4m3fnuz, NATIVE=encoder == "native")
     assert_bytes_equal(got, want, f"fp8 {fp8_dtype} codes ({encoder}) of {x.numel()} fp32 values")
     # numerics.fp8_encode itself: saturating RNE by the definition (clamp, then torch's conversion)
     m = fp8_max(fp8_dtype)
