@@ -92,9 +92,18 @@ def native_fp8(device: torch.device, fp8_dtype: torch.dtype) -> bool:
     device = torch.device(device)
     if fp8_encoder() == "software":
         return False
+    if device.type == "cpu" and not interpreting():
+        return False
+    return has_native_fp8(*device_target(device), fp8_dtype)
+
+
+def device_target(device) -> tuple:
+    """``(backend, arch)`` of ``device`` as ``has_native_fp8`` takes them: ``("interpreter",
+    None)`` for the CPU, ``("hip", gfx name)`` on ROCm, ``("cuda", 10 * major + minor)``."""
+    device = torch.device(device)
     if device.type == "cpu":
-        return interpreting() and has_native_fp8("interpreter", None, fp8_dtype)
+        return "interpreter", None
     if torch.version.hip is not None:
-        return has_native_fp8("hip", torch.cuda.get_device_properties(device).gcnArchName, fp8_dtype)
+        return "hip", torch.cuda.get_device_properties(device).gcnArchName
     major, minor = torch.cuda.get_device_capability(device)
-    return has_native_fp8("cuda", major * 10 + minor, fp8_dtype)
+    return "cuda", major * 10 + minor

@@ -201,13 +201,11 @@ def _downcast_selftest_kernel(x_ptr, bf16_ptr, e4nv_ptr, e4b8_ptr, e5_ptr, N: tl
 
 
 def _native_fp8(device: torch.device) -> tuple[bool, bool]:
-    """(OCP e4m3fn/e5m2, e4m3fnuz) casts available in kernels on ``device``."""
-    if device.type == "cpu":
-        return True, True  # the interpreter has all of them
-    if torch.version.hip is not None:
-        arch = torch.cuda.get_device_properties(device).gcnArchName
-        return "gfx950" in arch or "gfx12" in arch, "gfx942" in arch
-    return torch.cuda.get_device_capability(device) >= (8, 9), False
+    """(OCP e4m3fn/e5m2, e4m3fnuz) casts available in kernels on ``device`` (``_backend``'s table)."""
+    from ._backend import device_target, has_native_fp8
+
+    target = device_target(device)
+    return has_native_fp8(*target, torch.float8_e4m3fn), has_native_fp8(*target, torch.float8_e4m3fnuz)
 
 
 def self_test(device: str | torch.device = "cpu") -> None:
