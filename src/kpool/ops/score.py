@@ -44,7 +44,7 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
                                         + tl.arange(0, 128)[None, :], lut_ptr)
         w = tl.load(w_ptr + b * w_sb + t * w_sn + hh * w_sh)
         tiles = tl.arange(0, NT)
-        keys = tl.full((NT, BN), -9223372036854775807 - 1, tl.int64)  # [NT, BN], INT64_MIN = not seen
+        keys = tl.full((NT, BN), topk.NO_KEY, tl.int64)  # [NT, BN], INT64_MIN = not seen
         for i in range(NT):
             start = (chunk * NT + i) * BN
             if start < n_vis:
@@ -55,7 +55,7 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
         topk.store_leaf(tl.reshape(keys, (NT * BN,)), cand_ptr + (row * n_chunks + chunk) * KB,
                         out_ptr + row * out_stride, n_vis, select_k, NT * BN, KB, FINAL)
     elif FINAL:
-        topk.emit_selection(out_ptr + row * out_stride, tl.full((KB,), -9223372036854775807 - 1, tl.int64), n_vis,
+        topk.emit_selection(out_ptr + row * out_stride, tl.full((KB,), topk.NO_KEY, tl.int64), n_vis,
                             select_k, KB)
 
 

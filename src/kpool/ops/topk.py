@@ -15,7 +15,7 @@ Kernels (a tree of bitonic top-k, ``tl.topk``, over unique int64 keys):
 
 1. leaves: one program per (row, chunk of ``CHUNK`` pools) keeps the ``KB`` best keys of
    its chunk (``KB = next_pow2(select_k)``), sorted (all of them, padded, when ``CHUNK <
-   KB``: small rows batches get more, smaller leaves). ``_chunk_topk_kernel`` reads the keys'
+   KB``: small batches get more, smaller leaves). ``_chunk_topk_kernel`` reads the keys'
    scores from a logits row; ``ops/score.py``'s fused decode kernel computes them on chip
    and never writes a logits row.
 2. ``_merge_topk_kernel``: one program per (row, group of up to ``MERGE_FANIN`` lists)
@@ -41,7 +41,8 @@ MAX_CHUNK_FACTOR = 4
 MIN_CHUNK = 128  # ... and at least this many (smaller leaves keep all their keys, sorted)
 MERGE_FANIN = 8  # lists merged per program (best_of_lists takes at most 8)
 PROGRAMS_PER_SM = 2  # leaf grid target when choosing the leaf size
-_NO_KEY = -9223372036854775807 - 1  # INT64_MIN: a pool the row does not see
+MIN_KB = 16  # tl.topk / tl.arange below 16 keys do not lower on every target
+NO_KEY = tl.constexpr(-9223372036854775807 - 1)  # INT64_MIN: the key of a pool the row does not see
 
 
 @triton.jit
@@ -58,7 +59,7 @@ def pool_keys(x, j, vis):
     """Ranking keys ``ordered(x) * 2^32 + (2^32 - 1 - j)`` of scores ``x`` of pools ``j``
     (int64, same shape); ``INT64_MIN`` where not ``vis``."""
     key = ordered_score(x) * 4294967296 + (4294967295 - j.to(tl.int64))
-    return tl.where(vis, key, -9223372036854775807 - 1)
+    return tl.where(vis, key, NO_KEY)
 
 
 @triton.jit
@@ -72,7 +73,7 @@ def emit_selection(out_ptr, keys, n_vis, select_k, KB: tl.constexpr):
     """Write ``select_k`` int32 pool ids of one row at ``out_ptr`` from its ``KB`` best keys
     (sorted, descending), or ``0 .. n_vis-1`` when ``n_vis <= select_k``; -1 padding."""
     c = tl.arange(0, KB)
-    ids = tl.where(keys == -9223372036854775807 - 1, -1, 4294967295 - (keys & 4294967295))
+    ids = tl.where(keys == NO_KEY, -1, 4294967295 - (keys & 4294967295))
     ids = tl.where(n_vis <= select_k, tl.where(c < n_vis, c, -1), ids)
     tl.store(out_ptr + c, ids.to(tl.int32), mask=c < select_k)
 
@@ -111,7 +112,7 @@ def store_leaf(keys, cand_ptr, out_ptr, n_vis, select_k, CHUNK: tl.constexpr, KB
         top = tl.topk(keys, KB)
     else:
         pad = tl.arange(0, KB // CHUNK)[:, None] == 0
-        top = tl.reshape(tl.where(pad, tl.sort(keys, descending=True)[None, :], -9223372036854775807 - 1), (KB,))
+        top = tl.reshape(tl.where(pad, tl.sort(keys, descending=True)[None, :], NO_KEY), (KB,))
     if FINAL:
         emit_selection(out_ptr, top, n_vis, select_k, KB)
     else:
@@ -132,7 +133,7 @@ def _chunk_topk_kernel(x_ptr, x_stride, lens_ptr, lens_stride, cand_ptr, out_ptr
         store_leaf(pool_keys(x, j, vis), cand_ptr + (row * n_chunks + chunk) * KB, out_ptr + row * out_stride,
                    n_vis, select_k, CHUNK, KB, FINAL)
     elif FINAL:
-        emit_selection(out_ptr + row * out_stride, tl.full((KB,), -9223372036854775807 - 1, tl.int64), n_vis,
+        emit_selection(out_ptr + row * out_stride, tl.full((KB,), NO_KEY, tl.int64), n_vis,
                        select_k, KB)
 
 
@@ -148,18 +149,15 @@ def _merge_topk_kernel(cand_ptr, n_in, lens_ptr, lens_stride, n_cols, next_ptr, 
     if n_vis > select_k:
         c = tl.arange(0, KB)
         keys = tl.load(cand_ptr + (row * n_in + lst[:, None]) * KB + c[None, :], mask=(lst < n_in)[:, None],
-                       other=-9223372036854775807 - 1)
+                       other=NO_KEY)
         top = best_of_lists(keys, LOG_G, KB)
         if FINAL:
             emit_selection(out_ptr + row * out_stride, top, n_vis, select_k, KB)
         else:
             tl.store(next_ptr + (row * n_out + grp) * KB + c, top)
     elif FINAL:
-        emit_selection(out_ptr + row * out_stride, tl.full((KB,), -9223372036854775807 - 1, tl.int64), n_vis,
+        emit_selection(out_ptr + row * out_stride, tl.full((KB,), NO_KEY, tl.int64), n_vis,
                        select_k, KB)
-
-
-MIN_KB = 16  # tl.topk / tl.arange below 16 keys do not lower on every target
 
 
 def key_block(select_k: int) -> int:
@@ -169,7 +167,7 @@ def key_block(select_k: int) -> int:
 
 def plan_leaves(rows: int, n_cols: int, select_k: int, device, granule: int = 1):
     """``(CHUNK, n_chunks)`` for the leaves of ``rows`` rows of ``n_cols`` pools: the largest
-    power of two from ``max(KB, 512) * MAX_CHUNK_FACTOR`` down to ``max(MIN_CHUNK, granule)``
+    power of two from ``max(KB, LEAF_BASE) * MAX_CHUNK_FACTOR`` down to ``max(MIN_CHUNK, granule)``
     whose grid still fills the GPU (the smallest off the GPU, so that the CPU lanes exercise
     the merge levels)."""
     if device.type == "cuda" and not interpreting():
