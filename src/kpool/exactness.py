@@ -3,7 +3,8 @@
 ``python -m kpool.exactness [--pools 65536]`` writes random pools with the Triton
 kernels into a cache pre-filled with random bytes and compares every byte of it (and of
 the rings) with the CPU reference, for P in {4, 16}, both fp8 formats and both layouts;
-then a decode / verify step over many requests and the ring seeding. Prints one line per
+then decode / verify steps (``decode_cases``: next_n 1, 4 and P + 1, at 64 requests and at
+``--decode-requests``, covering both warp counts of the decode kernel). Prints one line per
 case and exits non-zero on any differing byte.
 """
 
@@ -84,6 +85,15 @@ def check_decode(num_req, next_n, p, ring, fp8_dtype, layout, device, gen, page=
     return _diff(got_kv, ref_kv) + _diff(got_tail, ref_tail), got_kv.numel() + got_tail.numel() * 2
 
 
+def decode_cases(p, many):
+    """``(ring multiple, next_n, requests)`` of the decode checks: plain decode and a 4-token
+    verify step with many requests (one warp per request, ``decode.decode_warps``) and with
+    64 (two warps), and a verify step longer than a pool (``next_n = P + 1``: two completions
+    in one step, the later one from this step's own tokens; its last token reuses the first
+    one's ring slot when RING = P)."""
+    return ((1, 1, many), (2, 4, many), (2, 4, 64), (1, p + 1, 64), (1, p + 1, many))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--pools", type=int, default=65536)
@@ -106,12 +116,12 @@ def main(argv=None) -> int:
                 print(f"compress P={p:2d} {str(fp8):22s} {layout:10s} pools={args.pools} "
                       f"differing bytes {diff} / {total}  ({time.perf_counter() - t0:.1f}s)", flush=True)
                 bad += diff
-            for ring_mult, next_n in ((1, 1), (2, 4)):
-                diff, total = check_decode(args.decode_requests, next_n, p, p * ring_mult, fp8, "plain", device, gen)
+            for ring_mult, next_n, num_req in decode_cases(p, args.decode_requests):
+                diff, total = check_decode(num_req, next_n, p, p * ring_mult, fp8, "plain", device, gen)
                 rows.append(dict(op="decode", P=p, fp8=str(fp8), ring=p * ring_mult, next_n=next_n,
-                                 requests=args.decode_requests, bytes_compared=total, differing_bytes=diff))
+                                 requests=num_req, bytes_compared=total, differing_bytes=diff))
                 print(f"decode   P={p:2d} {str(fp8):22s} ring={p * ring_mult} next_n={next_n} "
-                      f"requests={args.decode_requests} differing bytes {diff} / {total}", flush=True)
+                      f"requests={num_req} differing bytes {diff} / {total}", flush=True)
                 bad += diff
     if args.json:
         with open(args.json, "w") as f:
