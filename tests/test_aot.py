@@ -158,6 +158,21 @@ def test_writers_follow_the_native_fp8_table():
     assert seen == {(k, t, f) for k in WRITERS for t in aot.TARGETS for f in (False, True)}
 
 
+def test_launch_options_the_launchers_use():
+    """Per-case compile options (``_opt_`` keys): the decode kernel compiles with every warp
+    count ``decode_warps`` picks; the fused scorer with its NUM_WARPS; leaves at both ends
+    of ``plan_leaves``' range, below KB (sort-and-pad) and above (top-k)."""
+    from kpool.ops import decode, score, topk
+    jobs = aot.build_jobs(targets=["sm_90"], kernels=["_decode_update_kernel", "_paged_topk_kernel",
+                                                      "_chunk_topk_kernel"])
+    warps = {j.options.get("num_warps") for j in jobs if j.kernel == "_decode_update_kernel"}
+    assert warps == {decode.decode_warps(1), decode.decode_warps(1 << 20)} == {1, 2}
+    assert {j.options.get("num_warps") for j in jobs if j.kernel == "_paged_topk_kernel"} == {score.NUM_WARPS}
+    leaves = {(j.constexprs["KB"], j.constexprs["CHUNK"]) for j in jobs if j.kernel == "_chunk_topk_kernel"}
+    assert any(c < kb for kb, c in leaves) and any(c >= kb for kb, c in leaves)
+    assert min(c for _, c in leaves) == topk.MIN_CHUNK
+
+
 def test_every_kernel_compiles_for_every_target(capsys):
     results = aot.compile_matrix(progress=True)
     with capsys.disabled():  # the table goes to the CI log, pass or fail
