@@ -109,6 +109,23 @@ def decode_table(doc) -> list[str]:
     return lines
 
 
+def fp8_table(doc) -> list[str]:
+    """The fp8-encoder measurement (``bench_fp8``): compress + write with each encoder."""
+    recs = [r for r in doc["results"] if r["op"] == "fp8"]
+    if not recs:
+        return []
+    idx = _index(doc)
+    lines = ["fp8 encoder in compress + write (e4m3fn, plain), µs (× copy BW); `KPOOL_FP8_ENCODER=auto` "
+             "picks native where the target has the conversion:", "",
+             "| case | software (integer ops) | native conversion | native / software |", "|---|---:|---:|---:|"]
+    for case in dict.fromkeys(r["case"] for r in recs):
+        sw, nat = idx.get(("fp8", case, "software")), idx.get(("fp8", case, "native"))
+        cells = [_cell_err(r) or f"{_us(r.get('us'))} ({_f(r.get('frac_copy'), '.2f')})" for r in (sw, nat)]
+        ratio = (nat["us"] / sw["us"]) if sw and nat and sw.get("us") and nat.get("us") else None
+        lines.append(f"| {case} | {cells[0]} | {cells[1]} | {_f(ratio, '.3f')} |")
+    return lines
+
+
 def render(doc, source: str = "") -> str:
     meta = doc["meta"]
     cp = (doc.get("copy_bandwidth") or {}).get("gbps")
@@ -126,9 +143,9 @@ def render(doc, source: str = "") -> str:
     t = throughput_table(doc)
     if t:
         out += t + [""]
-    d = decode_table(doc)
-    if d:
-        out += d + [""]
+    for extra in (decode_table(doc), fp8_table(doc)):
+        if extra:
+            out += extra + [""]
     shown = {(op, impl) for op, impls in PRIMARY.items() for impl in impls}
     others = [r for r in doc["results"] if r["op"] in PRIMARY and r["impl"] not in ("seed", "torch")
               and (r["op"], r["impl"]) not in shown and r["status"] == "ok"]
