@@ -86,6 +86,8 @@ def test_all_visible_in_order_and_padding(backend, device):
     # fewer columns than select_k: every row in order, -1 padded
     got = check(logits[:, :5], torch.tensor([5, 3, 0, 5]), 8, device)
     assert got[0].tolist() == [0, 1, 2, 3, 4, -1, -1, -1]
+    got = check(logits[:, :0], torch.zeros(4, dtype=torch.int32), 8, device)  # no columns at all
+    assert got.tolist() == [[-1] * 8] * 4
 
 
 def test_nan_last_inf_and_signed_zero(backend, device):

@@ -91,20 +91,18 @@ def paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, *
     out = torch.empty((rows, select_k), dtype=torch.int32, device=device)
     if rows == 0:
         return out
-    kb = topk.key_block(select_k)
-    chunk, n_chunks = topk.plan_leaves(rows, max(limit, 1), select_k, device, BLOCK_POOLS)
-    final = n_chunks == 1
-    cand = out if final else torch.empty((rows, n_chunks, kb), dtype=torch.int64, device=device)
     q8 = q_fp8.view(torch.uint8)
-    _paged_topk_kernel[(rows, n_chunks)](
-        q8, q8.stride(0), q8.stride(1), q8.stride(2), weights, weights.stride(0), weights.stride(1),
-        weights.stride(2), lens, lens.stride(0), page_table, page_table.stride(0), page_table.stride(1),
-        kv_cache, kv_cache.view(torch.float32), kv_cache.stride(0), kv_cache.shape[0],
-        cand, out, out.stride(0), limit, next_n, select_k, n_chunks, limb_table(fp8_dtype, device),
-        PAGE=kv_cache.shape[1], BN=BLOCK_POOLS, NT=chunk // BLOCK_POOLS, KB=kb, H=heads,
-        PRESHUFFLE=layout == "preshuffle", UNIT2=unit2(fp8_dtype), FINAL=final,
-        num_warps=NUM_WARPS, enable_fp_fusion=False,
-    )
-    if not final:
-        topk.merge_lists(cand, lens, limit, select_k, out)
+
+    def launch_leaves(cand, chunk, n_chunks, kb, final):
+        _paged_topk_kernel[(rows, n_chunks)](
+            q8, q8.stride(0), q8.stride(1), q8.stride(2), weights, weights.stride(0), weights.stride(1),
+            weights.stride(2), lens, lens.stride(0), page_table, page_table.stride(0), page_table.stride(1),
+            kv_cache, kv_cache.view(torch.float32), kv_cache.stride(0), kv_cache.shape[0],
+            cand, out, out.stride(0), limit, next_n, select_k, n_chunks, limb_table(fp8_dtype, device),
+            PAGE=kv_cache.shape[1], BN=BLOCK_POOLS, NT=chunk // BLOCK_POOLS, KB=kb, H=heads,
+            PRESHUFFLE=layout == "preshuffle", UNIT2=unit2(fp8_dtype), FINAL=final,
+            num_warps=NUM_WARPS, enable_fp_fusion=False,
+        )
+
+    topk.select_tree(out, lens, limit, select_k, launch_leaves, BLOCK_POOLS)
     return out

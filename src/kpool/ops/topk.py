@@ -166,19 +166,38 @@ def key_block(select_k: int) -> int:
 
 
 def plan_leaves(rows: int, n_cols: int, select_k: int, device, granule: int = 1):
-    """``(CHUNK, n_chunks)`` for the leaves of ``rows`` rows of ``n_cols`` pools: the largest
-    power of two from ``max(KB, LEAF_BASE) * MAX_CHUNK_FACTOR`` down to ``max(MIN_CHUNK, granule)``
-    whose grid still fills the GPU (the smallest off the GPU, so that the CPU lanes exercise
-    the merge levels)."""
+    """``(CHUNK, n_chunks)`` for the leaves of ``rows`` rows of ``n_cols`` pools (at least one
+    leaf): the largest power of two from ``max(KB, LEAF_BASE) * MAX_CHUNK_FACTOR`` down to
+    ``max(MIN_CHUNK, granule)`` whose grid still fills the GPU (the smallest off the GPU, so
+    that the CPU lanes exercise the merge levels)."""
     if device.type == "cuda" and not interpreting():
         want = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
     else:
         want = 1 << 62
+    n_cols = max(n_cols, 1)
     floor = max(MIN_CHUNK, granule)
     chunk = max(key_block(select_k), LEAF_BASE, floor) * MAX_CHUNK_FACTOR
     while chunk > floor and rows * triton.cdiv(n_cols, chunk) < want:
         chunk //= 2
     return chunk, triton.cdiv(n_cols, chunk)
+
+
+def select_tree(out, lens, n_cols, select_k, launch_leaves, granule: int = 1) -> None:
+    """Each row's selection into ``out [rows, select_k]`` int32: leaves, then merges.
+
+    ``launch_leaves(cand, CHUNK, n_chunks, KB, FINAL)`` launches the leaf kernel on the grid
+    ``(rows, n_chunks)``; with ``FINAL`` (one leaf per row) ``cand`` is ``out`` and the
+    leaves write the ids, else ``cand [rows, n_chunks, KB]`` int64 receives their key lists
+    for ``merge_lists``. ``lens [rows]`` visible pools, clamped to ``n_cols``.
+    """
+    rows = out.shape[0]
+    kb = key_block(select_k)
+    chunk, n_chunks = plan_leaves(rows, n_cols, select_k, out.device, granule)
+    final = n_chunks == 1
+    cand = out if final else torch.empty((rows, n_chunks, kb), dtype=torch.int64, device=out.device)
+    launch_leaves(cand, chunk, n_chunks, kb, final)
+    if not final:
+        merge_lists(cand, lens, n_cols, select_k, out)
 
 
 def merge_lists(cand, lens, n_cols, select_k, out) -> None:
@@ -229,14 +248,12 @@ def select_pools(logits, pool_lens, select_k):
     out = torch.empty((rows, select_k), dtype=torch.int32, device=device)
     if rows == 0:
         return out
-    kb = key_block(select_k)
-    chunk, n_chunks = plan_leaves(rows, n_cols, select_k, device)
-    final = n_chunks == 1
-    cand = out if final else torch.empty((rows, n_chunks, kb), dtype=torch.int64, device=device)
-    _chunk_topk_kernel[(rows, n_chunks)](
-        logits, logits.stride(0), pool_lens, pool_lens.stride(0), cand, out, out.stride(0), n_cols, select_k,
-        n_chunks, CHUNK=chunk, KB=kb, FINAL=final,
-    )
-    if not final:
-        merge_lists(cand, pool_lens, n_cols, select_k, out)
+
+    def launch_leaves(cand, chunk, n_chunks, kb, final):
+        _chunk_topk_kernel[(rows, n_chunks)](
+            logits, logits.stride(0), pool_lens, pool_lens.stride(0), cand, out, out.stride(0), n_cols, select_k,
+            n_chunks, CHUNK=chunk, KB=kb, FINAL=final,
+        )
+
+    select_tree(out, pool_lens, n_cols, select_k, launch_leaves)
     return out
