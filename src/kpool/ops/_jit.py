@@ -100,11 +100,20 @@ def fp8_encode(x, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr):
     code = tl.where(af < min_normal, sub, normal)
     if FNUZ:
         code = tl.where(code != 0, code | (sign << 7), code)
-        code = tl.where(x != x, 0x80, code)
     else:
         code = code | (sign << 7)
-        code = tl.where(x != x, 0x7F | ((x.to(tl.uint32, bitcast=True) >> 31) << 7), code)
-    return code.to(tl.uint8)
+    return _with_nan_codes(x, code, FNUZ)
+
+
+@triton.jit
+def _with_nan_codes(x, code, FNUZ: tl.constexpr):
+    """uint8 codes of ``x`` with NaN inputs set to torch's NaN code: 0x80 (fnuz), 0x7F with
+    the NaN's sign bit (fn; PTX ``cvt`` would give 0x7F for every NaN)."""
+    if FNUZ:
+        nan_code = 0x80
+    else:
+        nan_code = 0x7F | ((x.to(tl.uint32, bitcast=True) >> 31) << 7)
+    return tl.where(x != x, nan_code, code.to(tl.uint32)).to(tl.uint8)
 
 
 @triton.jit
@@ -113,17 +122,14 @@ def fp8_encode_native(x, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr):
     y = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
     if FNUZ:
         code = y.to(tl.float8e4b8).to(tl.uint8, bitcast=True)
-        code = tl.where(x != x, 0x80, code)
     else:
         code = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        # NaN keeps its sign (torch's rule; PTX cvt would give 0x7F for every NaN)
-        code = tl.where(x != x, 0x7F | ((x.to(tl.uint32, bitcast=True) >> 31) << 7), code.to(tl.uint32)).to(tl.uint8)
-    return code
+    return _with_nan_codes(x, code, FNUZ)
 
 
 @triton.jit
 def quantize(y, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr, ROUND_SCALE: tl.constexpr,
-             NATIVE_FP8: tl.constexpr = False):
+             NATIVE_FP8: tl.constexpr):
     """Per-row fp8 of a bf16-exact ``[BN, 128]`` fp32 tile -> (codes uint8 [BN,128], scale [BN]).
 
     With power-of-two scales ``y / scale`` is computed as ``y * 2^-e``: both are the

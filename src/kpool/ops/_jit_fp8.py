@@ -28,28 +28,17 @@ def fp8_unit(fnuz: bool) -> float:
 
 
 @functools.lru_cache(maxsize=None)
-def _limb_table_cpu(fnuz: bool) -> torch.Tensor:
-    dt = torch.float8_e4m3fnuz if fnuz else torch.float8_e4m3fn
-    vals = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dt).to(torch.float64)
-    nan = torch.isnan(vals)
-    v = torch.where(nan, 0.0, vals / fp8_unit(fnuz)).to(torch.int64)  # exact: |v| < 2^18
-    a, sign = v.abs(), torch.where(v < 0, -1, 1)
-    limbs = [sign * (a & 63), sign * ((a >> 6) & 63), sign * (a >> 12)]
-    packed = sum((limb & 0xFF) << (8 * i) for i, limb in enumerate(limbs)) | (nan.to(torch.int64) << 24)
-    return packed.to(torch.int32)
-
-
-_TABLES = {}
-
-
 def limb_table(fp8_dtype, device) -> torch.Tensor:
     """int32 ``[256]``: code -> ``l0 | l1 << 8 | l2 << 16 | nan << 24``, signed int8 limbs with
     ``l0 + l1 * 2^6 + l2 * 2^12 == value / unit`` (0 for NaN codes), for ``fp8_limbs``; cached
-    per device."""
-    key = (fp8_dtype, str(device))
-    if key not in _TABLES:
-        _TABLES[key] = _limb_table_cpu(fp8_dtype == torch.float8_e4m3fnuz).to(device)
-    return _TABLES[key]
+    per format and device."""
+    vals = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8_dtype).to(torch.float64)
+    nan = torch.isnan(vals)
+    v = torch.where(nan, 0.0, vals / fp8_unit(fp8_dtype == torch.float8_e4m3fnuz)).to(torch.int64)  # |v| < 2^18
+    a, sign = v.abs(), torch.where(v < 0, -1, 1)
+    limbs = [sign * (a & 63), sign * ((a >> 6) & 63), sign * (a >> 12)]
+    packed = sum((limb & 0xFF) << (8 * i) for i, limb in enumerate(limbs)) | (nan.to(torch.int64) << 24)
+    return packed.to(torch.int32).to(device)
 
 
 @triton.jit

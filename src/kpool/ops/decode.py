@@ -181,6 +181,7 @@ def kpool_decode_update_and_maybe_write_cache_batched(kv_cache, tail_kv_cache, t
         positions, *positions.stride(), next_n,
         P=pool_size, RING=ring, PAGE=kv_cache.shape[1], NB=triton.next_power_of_2(next_n),
         PRESHUFFLE=layout == "preshuffle", FP8_MAX=fp8_max(fp8_dtype), FNUZ=fp8_dtype == torch.float8_e4m3fnuz,
-        ROUND_SCALE=round_scale, NATIVE_FP8=native_fp8(device, fp8_dtype), num_warps=decode_warps(num_req), enable_fp_fusion=False,
+        ROUND_SCALE=round_scale, NATIVE_FP8=native_fp8(device, fp8_dtype), num_warps=decode_warps(num_req),
+        enable_fp_fusion=False,
     )
     return None
