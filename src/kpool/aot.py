@@ -283,9 +283,11 @@ def _select_specs(m):
     }
 
 
+_KBS = (128, 512)  # KB = next_pow2(select_k) for select_k = index_topk // P = 2048 // {16, 4}
+
+
 def _kb_axis():
-    """KB = next_pow2(select_k) for select_k = index_topk // P = 2048 // {16, 4}."""
-    return axis("KB", (128, 512))
+    return axis("KB", _KBS)
 
 
 def _leaf_axis(granule=1, key="CHUNK"):
@@ -294,7 +296,7 @@ def _leaf_axis(granule=1, key="CHUNK"):
     (``max(KB, LEAF_BASE, granule) * MAX_CHUNK_FACTOR``: the top-k path)."""
     from .ops import topk
     out = []
-    for kb in (128, 512):
+    for kb in _KBS:
         for chunk in (max(topk.MIN_CHUNK, granule), max(kb, topk.LEAF_BASE, granule) * topk.MAX_CHUNK_FACTOR):
             out.append({"KB": kb, key: chunk})
     return out
