@@ -55,6 +55,11 @@ def _cell_err(rec):
     return None
 
 
+def _cell_us(rec):
+    """A record's µs, or why it has none (missing, skipped, error)."""
+    return _cell_err(rec) or _us(rec.get("us"))
+
+
 def throughput_table(doc) -> list[str]:
     idx = _index(doc)
     cases = []
@@ -73,12 +78,10 @@ def throughput_table(doc) -> list[str]:
             rec = idx.get((op, case, impl))
             if rec is None:
                 continue
-            bad = _cell_err(rec)
             sp = rec.get("speedup_vs_seed")
             lines.append(
                 f"| {OP_NAMES.get(op, op)} | {case} | {IMPL_NAMES.get(impl, impl)} | "
-                f"{bad or _us(rec.get('us'))} | {_cell_err(seed) or _us(seed.get('us'))} | "
-                f"{_cell_err(torch_) or _us(torch_.get('us'))} | {_f(rec.get('gbps'), '.0f')} | "
+                f"{_cell_us(rec)} | {_cell_us(seed)} | {_cell_us(torch_)} | {_f(rec.get('gbps'), '.0f')} | "
                 f"{_f(rec.get('frac_copy'), '.2f')} | {_f((seed or {}).get('frac_copy'), '.2f')} | "
                 f"{(format(sp, '.2f') + '×') if sp else '—'} | {_status(rec)} |")
     return lines
@@ -100,8 +103,7 @@ def decode_table(doc) -> list[str]:
             for b in batches:
                 label = f"P={p} B={b} next_n={nn}"
                 mine, seed = idx.get(("decode", label, impl)), idx.get(("decode", label, "seed"))
-                m = _cell_err(mine) or _us(mine.get("us"))
-                s = _cell_err(seed) or _us(seed.get("us"))
+                m, s = _cell_us(mine), _cell_us(seed)
                 ok = [t["ok"] for t in (mine or {}).get("targets", [])]
                 mark = " ❌" if False in ok else ""
                 cells.append(f"{m} / {s}{mark}")

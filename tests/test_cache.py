@@ -278,13 +278,18 @@ class Harness:
                 same_bytes(ring[1], self.gates[r][pos].cpu(), f"{what}: ring gates of {r!r}")
 
     # ------------------------------------------------------------------ steps
+    def _begin_step(self, kind, rids, counts, chunks):
+        """A step's label, token chunks (``counts[i]`` fresh random tokens unless given), and
+        each request's length before and after it."""
+        self.steps += 1
+        what = f"step {self.steps} {kind} {rids} {counts}"
+        chunks = chunks or [self.tokens(n) for n in counts]
+        starts = [self.length(r) for r in rids]
+        return what, chunks, starts, [a + n for a, n in zip(starts, counts)]
+
     def prefill(self, rids, lengths, form="list", row_pad=0, chunks=None):
         """One prefill step; ``form``: ``list`` or ``packed`` (``row_pad`` extra elements per row)."""
-        self.steps += 1
-        what = f"step {self.steps} prefill {rids} {lengths}"
-        chunks = chunks or [self.tokens(n) for n in lengths]
-        starts = [self.length(r) for r in rids]
-        after = [a + n for a, n in zip(starts, lengths)]
+        what, chunks, starts, after = self._begin_step("prefill", rids, lengths, chunks)
         if form == "list":
             call = lambda: self.cache.prefill(rids, [k for k, _ in chunks], [g for _, g in chunks])  # noqa: E731
         else:
@@ -344,11 +349,7 @@ class Harness:
 
     def decode(self, rids, counts, form="list", chunks=None):
         """One decode / verify step with ``counts[i]`` fresh random tokens (or ``chunks``) for ``rids[i]``."""
-        self.steps += 1
-        what = f"step {self.steps} decode {rids} {counts}"
-        chunks = chunks or [self.tokens(n) for n in counts]
-        starts = [self.length(r) for r in rids]
-        after = [a + n for a, n in zip(starts, counts)]
+        what, chunks, starts, after = self._begin_step("decode", rids, counts, chunks)
         if form == "tensor":
             assert len(set(counts)) == 1
             keys = torch.stack([k for k, _ in chunks])
