@@ -83,7 +83,9 @@ def make_cache(num_pages, page, fp8_dtype, seed, layout="plain", pad=0, device="
     scales = torch.exp2(torch.randint(-12, -2, (slots,), generator=g).float())
     scales[::5] *= 1.375  # also non-power-of-two scales (round_scale=False writers)
     write_entries(kv, torch.arange(slots), codes.view(torch.uint8), scales, layout)
-    return kv.to(device) if device != "cpu" else kv, codes, scales
+    if device != "cpu":  # keep the padded page stride (``.to`` would make the view contiguous)
+        kv = torch.as_strided(buf.to(device), kv.shape, kv.stride())
+    return kv, codes, scales
 
 
 def paged_keys(codes, scales, page_table_row, page, n):

@@ -1,10 +1,11 @@
 """Decode / speculative-verify step: complete pools from the ring, then stash every token.
 
-One program per request handles its ``next_n`` tokens with the semantics of the in-order
-loop (completion read, then stash): the slot ``s < P-1`` of a pool completed by token
-``t`` reads the latest earlier token of the same step stashed at that ring slot, or the
-ring as it was before the step. All ring reads precede all ring writes (barrier), so no
-token waits on another's store, and only pool-completing tokens pay for a compression.
+One program per request walks its ``next_n`` tokens in step order, exactly the in-order
+semantics of SPEC.md: a pool-completing token compresses the ring slots of its pool (as
+this step's earlier tokens left them) plus itself, then every token is stashed at its ring
+slot, with a barrier before the next token reads the ring. Token ``j + 1``'s metadata and
+rows are loaded before token ``j``'s ring writes (software pipelining), and a completion is
+the compress kernel's ``pool_vector`` with one pool: no per-slot searches or reductions.
 """
 
 from __future__ import annotations
@@ -20,68 +21,27 @@ from .._checks import (INT_DTYPES, check_head_dim, check_index_range, check_kv_c
 from ..layout import HEAD_DIM, fp8_max, resolve_fp8_dtype, resolve_layout
 from . import _jit
 
-SMALL_BATCH = 256  # requests; up to this many, a program (one request) gets 2 warps, else 1
+SMALL_BATCH = 256  # requests; up to this many, a program (one request) gets 4 warps, else 2
 
 
 def decode_warps(num_req: int) -> int:
-    """Warps per program: 2 for batches of at most ``SMALL_BATCH`` requests, else 1 (H200 sweep
-    of 1/2/4/8 warps over 24 configurations, benchmarks/NOTES.md)."""
-    return 2 if num_req <= SMALL_BATCH else 1
+    """Warps per program: 4 for batches of at most ``SMALL_BATCH`` requests, else 2 (H200 sweep
+    of 1/2/4 warps over 24 configurations, benchmarks/NOTES.md)."""
+    return 4 if num_req <= SMALL_BATCH else 2
 
 
 @triton.jit
-def _pick(t, j, v):
-    # v[j] of a [NB] vector, as a scalar
-    return tl.sum(tl.where(t == j, v, 0))
-
-
-@triton.jit
-def _slot_source(s, j, t, pos, blk, stash, pj, bj, one, P: tl.constexpr, RING: tl.constexpr):
-    # Slot s of the pool completed by row j (position pj, block bj): its ring slot, and the step
-    # row holding its token ([1] int64; -1: read the ring as it was before the step).
-    want = (pj - (P - 1) + s) % RING
-    if s == P - 1:
-        src = one + j
-    else:
-        cand = (t < j) & stash & (blk == bj) & (pos % RING == want)
-        src = one + tl.max(tl.where(cand, t, -1))
-    return want, src
-
-
-@triton.jit
-def _complete_pool(kv_ptr, kv_f32_ptr, page_stride, tail_ptr, tail_head, key_ptr, key_sb, key_st,
-                   g_ptr, g_sb, g_st, ape_ptr, ape_stride, b, j, t, pos, blk, stash, loc, ring_base, d,
-                   P: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr, PRESHUFFLE: tl.constexpr,
-                   FP8_MAX: tl.constexpr, FNUZ: tl.constexpr, ROUND_SCALE: tl.constexpr,
-                   NATIVE_FP8: tl.constexpr):
-    # Compress the pool completed by step row j and write it. Slot s < P-1 (position
-    # pos[j] - (P-1) + s) comes from the latest earlier row of this step stashed at that ring
-    # slot of the same block, else from the ring as it was before the step; slot P-1 is row j.
-    one = tl.zeros((1,), tl.int64)
-    live = one == 0
-    pj = _pick(t, j, pos)
-    bj = _pick(t, j, blk)
-    base = _pick(t, j, ring_base)
-    top = tl.full((1, 128), float("-inf"), tl.float32)
-    for s in tl.static_range(P):
-        want, src = _slot_source(s, j, t, pos, blk, stash, pj, bj, one, P, RING)
-        g = _jit.load_slot(g_ptr, one + b * g_sb + tl.maximum(src, 0) * g_st, tail_ptr,
-                           one + base + want * 128 + tail_head, src < 0, live, d, True)
-        top = tl.maximum(top, _jit.slot_logit(g, ape_ptr, ape_stride, s, d))
-    acc = tl.zeros((1, 128), tl.float32)
-    den = tl.zeros((1, 128), tl.float32)
-    for s in tl.static_range(P):
-        want, src = _slot_source(s, j, t, pos, blk, stash, pj, bj, one, P, RING)
-        in_ring = src < 0
-        g = _jit.load_slot(g_ptr, one + b * g_sb + tl.maximum(src, 0) * g_st, tail_ptr,
-                           one + base + want * 128 + tail_head, in_ring, live, d, True)
-        k = _jit.load_slot(key_ptr, one + b * key_sb + tl.maximum(src, 0) * key_st, tail_ptr,
-                           one + base + want * 128, in_ring, live, d, True)
-        acc, den = _jit.pool_accumulate(acc, den, _jit.slot_logit(g, ape_ptr, ape_stride, s, d), top, k)
-    codes, scale = _jit.quantize(_jit.rotate(_jit.pool_finish(acc, den), 1), FP8_MAX, FNUZ, ROUND_SCALE,
-                                 NATIVE_FP8)
-    _jit.store_entries(kv_ptr, kv_f32_ptr, page_stride, one + _pick(t, j, loc), live, codes, scale, d,
-                       PAGE, PRESHUFFLE)
+def _load_token(key_ptr, key_row, g_ptr, g_row, ts_ptr, ts_off, loc_ptr, loc_off, pos_ptr, pos_off, ok, d):
+    # Token rows (bf16 [128]) and metadata (tail slot, pool slot, position) of one step row;
+    # a row not ``ok`` reads as padding (-1). The row mask is built as a vector: the
+    # interpreter (triton 3.9) mis-broadcasts a scalar condition used as a vector mask.
+    rows = d < tl.where(ok, 128, 0)
+    k = tl.load(key_ptr + key_row + d, mask=rows, other=0.0)
+    g = tl.load(g_ptr + g_row + d, mask=rows, other=0.0)
+    ts = tl.load(ts_ptr + ts_off, mask=ok, other=-1).to(tl.int64)
+    loc = tl.load(loc_ptr + loc_off, mask=ok, other=-1).to(tl.int64)
+    pos = tl.load(pos_ptr + pos_off, mask=ok, other=-1).to(tl.int64)
+    return k, g, ts, loc, pos
 
 
 @triton.jit
@@ -90,42 +50,38 @@ def _decode_update_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
                           key_ptr, key_sb, key_st, g_ptr, g_sb, g_st, ape_ptr, ape_stride,
                           ts_ptr, ts_sb, ts_st, loc_ptr, loc_sb, loc_st, pos_ptr, pos_sb, pos_st,
                           next_n,
-                          P: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr, NB: tl.constexpr,
+                          P: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr,
                           PRESHUFFLE: tl.constexpr, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr,
                           ROUND_SCALE: tl.constexpr, NATIVE_FP8: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
-    t = tl.arange(0, NB)  # the request's tokens, in step order
     d = tl.arange(0, 128)
-    live = t < next_n
-    pos = tl.load(pos_ptr + b * pos_sb + t * pos_st, mask=live, other=-1).to(tl.int64)
-    loc = tl.load(loc_ptr + b * loc_sb + t * loc_st, mask=live, other=-1).to(tl.int64)
-    ts = tl.load(ts_ptr + b * ts_sb + t * ts_st, mask=live, other=-1).to(tl.int64)
-    stash = live & (pos >= 0) & (ts >= 0) & (ts < num_ring_slots)
-    pos = tl.where(stash, pos, 0)
-    blk = tl.where(stash, ts, 0) // RING
-    done = stash & (pos % P == P - 1) & (loc >= 0) & (loc < num_slots)
-    ring_base = blk * tail_block_stride
-    key_row = b * key_sb + t * key_st
-    g_row = b * g_sb + t * g_st
-    # stash plan and rows, loaded up front: the last token of the step aimed at each
-    # (block, ring slot) wins
-    slot = pos % RING
-    later = (t[None, :] > t[:, None]) & stash[None, :] & (blk[None, :] == blk[:, None]) \
-        & (slot[None, :] == slot[:, None])
-    keep = stash & (tl.max(later.to(tl.int32), axis=1) == 0)
-    k_rows = tl.load(key_ptr + key_row[:, None] + d[None, :], mask=keep[:, None])
-    g_rows = tl.load(g_ptr + g_row[:, None] + d[None, :], mask=keep[:, None])
-    # completions (at most ceil(next_n / P) per request): each reads the ring as it was
-    # before the step or this step's earlier tokens, so all ring reads precede the stash
+    one = tl.zeros((1,), tl.int64)  # [1] vectors: the pool helpers work on tiles of BN = 1 pools
+    k, g, ts, loc, pos = _load_token(key_ptr, b * key_sb, g_ptr, b * g_sb, ts_ptr, b * ts_sb, loc_ptr, b * loc_sb,
+                                     pos_ptr, b * pos_sb, next_n > 0, d)
     for j in range(0, next_n):
-        if _pick(t, j, done.to(tl.int32)) != 0:
-            _complete_pool(kv_ptr, kv_f32_ptr, page_stride, tail_ptr, tail_head, key_ptr, key_sb, key_st,
-                           g_ptr, g_sb, g_st, ape_ptr, ape_stride, b, j, t, pos, blk, stash, loc, ring_base, d,
-                           P, RING, PAGE, PRESHUFFLE, FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)
-    tl.debug_barrier()
-    dst = (ring_base + slot * 128)[:, None] + d[None, :]
-    tl.store(tail_ptr + dst, k_rows, mask=keep[:, None])
-    tl.store(tail_ptr + tail_head + dst, g_rows, mask=keep[:, None])
+        key_row = b * key_sb + j * key_st
+        g_row = b * g_sb + j * g_st
+        # token j + 1, loaded before token j writes the ring
+        nj = j + 1
+        k1, g1, ts1, loc1, pos1 = _load_token(key_ptr, key_row + key_st, g_ptr, g_row + g_st,
+                                              ts_ptr, b * ts_sb + nj * ts_st, loc_ptr, b * loc_sb + nj * loc_st,
+                                              pos_ptr, b * pos_sb + nj * pos_st, nj < next_n, d)
+        stash = (pos >= 0) & (ts >= 0) & (ts < num_ring_slots)
+        ring_off = (tl.where(stash, ts, 0) // RING) * tail_block_stride
+        if stash & (pos % P == P - 1) & (loc >= 0) & (loc < num_slots):
+            # slots 0..P-2 from the ring as this step left it, slot P-1 is token j itself
+            x = _jit.pool_vector(key_ptr, g_ptr, one + key_row, one + g_row, 0, 0,
+                                 tail_ptr, one + ring_off, tail_head, one + pos - (P - 1), one + (P - 1),
+                                 ape_ptr, ape_stride, d, one == 0, 1, P, RING, True)
+            codes, scale = _jit.quantize(_jit.rotate(x, 1), FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)
+            _jit.store_entries(kv_ptr, kv_f32_ptr, page_stride, one + loc, one == 0, codes, scale, d,
+                               PAGE, PRESHUFFLE)
+        dst = tail_ptr + ring_off + (pos % RING) * 128 + d
+        tl.store(dst, k, mask=d < tl.where(stash, 128, 0))
+        tl.store(dst + tail_head, g, mask=d < tl.where(stash, 128, 0))
+        tl.debug_barrier()  # token j's ring writes precede token j + 1's ring reads
+        k, g, ts, loc, pos = k1, g1, ts1, loc1, pos1
+
 
 def kpool_decode_update_and_maybe_write_cache_batched(kv_cache, tail_kv_cache, tail_slot_mapping, key, slot_score,
                                                       ape, slot_mapping, positions, pool_size, head_dim=HEAD_DIM,
@@ -179,7 +135,7 @@ def kpool_decode_update_and_maybe_write_cache_batched(kv_cache, tail_kv_cache, t
         ape, ape.stride(0),
         tail_slot_mapping, *tail_slot_mapping.stride(), slot_mapping, *slot_mapping.stride(),
         positions, *positions.stride(), next_n,
-        P=pool_size, RING=ring, PAGE=kv_cache.shape[1], NB=triton.next_power_of_2(next_n),
+        P=pool_size, RING=ring, PAGE=kv_cache.shape[1],
         PRESHUFFLE=layout == "preshuffle", FP8_MAX=fp8_max(fp8_dtype), FNUZ=fp8_dtype == torch.float8_e4m3fnuz,
         ROUND_SCALE=round_scale, NATIVE_FP8=native_fp8(device, fp8_dtype), num_warps=decode_warps(num_req),
         enable_fp_fusion=False,
