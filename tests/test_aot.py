@@ -86,6 +86,16 @@ def test_discovery_finds_the_package_kernels():
     assert set(registry) == set(kernels) - set(aot.EXCLUDED)
 
 
+def test_job_list_does_not_depend_on_target_order():
+    """The workers rebuild the job list from the canonical target order and compare digests:
+    ``--targets sm_90,sm_80`` once failed with "job list differs from the parent's"."""
+    kernels = ["_decode_update_kernel"]
+    a = aot.build_jobs(targets=["sm_90", "sm_80", "gfx942"], kernels=kernels)
+    b = aot.build_jobs(targets=["gfx942", "sm_80", "sm_90"], kernels=kernels)
+    assert aot._jobs_digest(a) == aot._jobs_digest(b)
+    assert list(dict.fromkeys(j.target for j in a)) == ["sm_80", "sm_90", "gfx942"]
+
+
 def test_unregistered_kernel_fails(tmp_path, monkeypatch):
     mod = _fake_module(tmp_path, monkeypatch, "kpool_aot_orphan", FAKE)
     assert set(aot.discover_kernels([mod])) == {"_native_fp8_kernel"}

@@ -207,7 +207,8 @@ def _compress_specs(m):
 
 
 def _decode_specs(m):
-    steps = [dict(next_n=1), dict(next_n="i32")]  # next_n == 1 is specialized by the launcher's JIT
+    steps = [dict(NB=1, next_n=1), dict(NB=2, next_n="i32"), dict(NB=4, next_n="i32"),  # decode, verify
+             dict(NB=32, next_n="i32")]  # verify steps longer than a pool of 16
     return {"_decode_update_kernel": KernelSpec(
         ptrs=dict(kv_ptr="u8", kv_f32_ptr="fp32", tail_ptr="bf16", key_ptr="bf16", g_ptr="bf16", ape_ptr="fp32",
                   ts_ptr="i64", loc_ptr="i64", pos_ptr="i64"),
@@ -605,6 +606,7 @@ def build_jobs(targets=None, tier="ci", kernels=None, modules=None):
     bad = [t for t in targets if t not in TARGETS]
     if bad:
         raise ValueError(f"unknown targets {bad}; known: {list(TARGETS)}")
+    targets = [t for t in TARGETS if t in targets]  # canonical order: the workers rebuild the same list
     if tier not in TIERS:
         raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
     registry = check_registry(modules)
