@@ -207,8 +207,7 @@ def _compress_specs(m):
 
 
 def _decode_specs(m):
-    steps = [dict(NB=1, next_n=1), dict(NB=2, next_n="i32"), dict(NB=4, next_n="i32"),  # decode, verify
-             dict(NB=32, next_n="i32")]  # verify steps longer than a pool of 16
+    steps = [dict(next_n=1), dict(next_n="i32")]  # next_n == 1 is specialized by the launcher's JIT
     return {"_decode_update_kernel": KernelSpec(
         ptrs=dict(kv_ptr="u8", kv_f32_ptr="fp32", tail_ptr="bf16", key_ptr="bf16", g_ptr="bf16", ape_ptr="fp32",
                   ts_ptr="i64", loc_ptr="i64", pos_ptr="i64"),

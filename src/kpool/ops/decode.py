@@ -3,9 +3,9 @@
 One program per request walks its ``next_n`` tokens in step order, exactly the in-order
 semantics of SPEC.md: a pool-completing token compresses the ring slots of its pool (as
 this step's earlier tokens left them) plus itself, then every token is stashed at its ring
-slot, with a barrier before the next token reads the ring. The step's metadata and rows are
-loaded up front in one round trip (token ``j``'s picked out exactly as integers), and a
-completion is the compress kernel's ``pool_vector`` with one pool: no per-slot searches.
+slot, with a barrier before the next token reads the ring. Token ``j + 1``'s metadata and
+rows are loaded before token ``j``'s ring writes (software pipelining), and a completion is
+the compress kernel's ``pool_vector`` with one pool: no per-slot searches or reductions.
 """
 
 from __future__ import annotations
@@ -31,16 +31,17 @@ def decode_warps(num_req: int) -> int:
 
 
 @triton.jit
-def _pick(t, j, v):
-    # v[j] of an integer [NB] vector (exact: one non-zero term)
-    return tl.sum(tl.where(t == j, v, 0))
-
-
-@triton.jit
-def _pick_row(t, j, rows):
-    # row j of bf16 rows held as int32 bits [NB, 128], back as bf16 [128] (exact)
-    bits = tl.sum(tl.where((t == j)[:, None], rows, 0), axis=0)
-    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+def _load_token(key_ptr, key_row, g_ptr, g_row, ts_ptr, ts_off, loc_ptr, loc_off, pos_ptr, pos_off, ok, d):
+    # Token rows (bf16 [128]) and metadata (tail slot, pool slot, position) of one step row;
+    # a row not ``ok`` reads as padding (-1). The row mask is built as a vector: the
+    # interpreter (triton 3.9) mis-broadcasts a scalar condition used as a vector mask.
+    rows = d < tl.where(ok, 128, 0)
+    k = tl.load(key_ptr + key_row + d, mask=rows, other=0.0)
+    g = tl.load(g_ptr + g_row + d, mask=rows, other=0.0)
+    ts = tl.load(ts_ptr + ts_off, mask=ok, other=-1).to(tl.int64)
+    loc = tl.load(loc_ptr + loc_off, mask=ok, other=-1).to(tl.int64)
+    pos = tl.load(pos_ptr + pos_off, mask=ok, other=-1).to(tl.int64)
+    return k, g, ts, loc, pos
 
 
 @triton.jit
@@ -49,42 +50,37 @@ def _decode_update_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
                           key_ptr, key_sb, key_st, g_ptr, g_sb, g_st, ape_ptr, ape_stride,
                           ts_ptr, ts_sb, ts_st, loc_ptr, loc_sb, loc_st, pos_ptr, pos_sb, pos_st,
                           next_n,
-                          P: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr, NB: tl.constexpr,
+                          P: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr,
                           PRESHUFFLE: tl.constexpr, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr,
                           ROUND_SCALE: tl.constexpr, NATIVE_FP8: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
-    t = tl.arange(0, NB)  # the request's step rows
     d = tl.arange(0, 128)
     one = tl.zeros((1,), tl.int64)  # [1] vectors: the pool helpers work on tiles of BN = 1 pools
-    live = t < next_n
-    # the whole step in one round trip: metadata [NB] and key / gate rows [NB, 128] as int bits
-    ts_v = tl.load(ts_ptr + b * ts_sb + t * ts_st, mask=live, other=-1).to(tl.int64)
-    loc_v = tl.load(loc_ptr + b * loc_sb + t * loc_st, mask=live, other=-1).to(tl.int64)
-    pos_v = tl.load(pos_ptr + b * pos_sb + t * pos_st, mask=live, other=-1).to(tl.int64)
-    k_rows = tl.load(key_ptr + (b * key_sb + t * key_st)[:, None] + d[None, :], mask=live[:, None], other=0.0)
-    g_rows = tl.load(g_ptr + (b * g_sb + t * g_st)[:, None] + d[None, :], mask=live[:, None], other=0.0)
-    k_rows = k_rows.to(tl.int16, bitcast=True).to(tl.int32)
-    g_rows = g_rows.to(tl.int16, bitcast=True).to(tl.int32)
+    k, g, ts, loc, pos = _load_token(key_ptr, b * key_sb, g_ptr, b * g_sb, ts_ptr, b * ts_sb, loc_ptr, b * loc_sb,
+                                     pos_ptr, b * pos_sb, next_n > 0, d)
     for j in range(0, next_n):
-        ts = _pick(t, j, ts_v)
-        loc = _pick(t, j, loc_v)
-        pos = _pick(t, j, pos_v)
+        key_row = b * key_sb + j * key_st
+        g_row = b * g_sb + j * g_st
+        # token j + 1, loaded before token j writes the ring
+        nj = j + 1
+        k1, g1, ts1, loc1, pos1 = _load_token(key_ptr, key_row + key_st, g_ptr, g_row + g_st,
+                                              ts_ptr, b * ts_sb + nj * ts_st, loc_ptr, b * loc_sb + nj * loc_st,
+                                              pos_ptr, b * pos_sb + nj * pos_st, nj < next_n, d)
         stash = (pos >= 0) & (ts >= 0) & (ts < num_ring_slots)
         ring_off = (tl.where(stash, ts, 0) // RING) * tail_block_stride
         if stash & (pos % P == P - 1) & (loc >= 0) & (loc < num_slots):
             # slots 0..P-2 from the ring as this step left it, slot P-1 is token j itself
-            x = _jit.pool_vector(key_ptr, g_ptr, one + b * key_sb + j * key_st, one + b * g_sb + j * g_st, 0, 0,
+            x = _jit.pool_vector(key_ptr, g_ptr, one + key_row, one + g_row, 0, 0,
                                  tail_ptr, one + ring_off, tail_head, one + pos - (P - 1), one + (P - 1),
                                  ape_ptr, ape_stride, d, one == 0, 1, P, RING, True)
             codes, scale = _jit.quantize(_jit.rotate(x, 1), FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)
             _jit.store_entries(kv_ptr, kv_f32_ptr, page_stride, one + loc, one == 0, codes, scale, d,
                                PAGE, PRESHUFFLE)
-        # stash token j (vector mask: the interpreter mis-broadcasts a scalar one)
-        keep = d < tl.where(stash, 128, 0)
         dst = tail_ptr + ring_off + (pos % RING) * 128 + d
-        tl.store(dst, _pick_row(t, j, k_rows), mask=keep)
-        tl.store(dst + tail_head, _pick_row(t, j, g_rows), mask=keep)
+        tl.store(dst, k, mask=d < tl.where(stash, 128, 0))
+        tl.store(dst + tail_head, g, mask=d < tl.where(stash, 128, 0))
         tl.debug_barrier()  # token j's ring writes precede token j + 1's ring reads
+        k, g, ts, loc, pos = k1, g1, ts1, loc1, pos1
 
 
 def kpool_decode_update_and_maybe_write_cache_batched(kv_cache, tail_kv_cache, tail_slot_mapping, key, slot_score,
@@ -139,7 +135,7 @@ def kpool_decode_update_and_maybe_write_cache_batched(kv_cache, tail_kv_cache, t
         ape, ape.stride(0),
         tail_slot_mapping, *tail_slot_mapping.stride(), slot_mapping, *slot_mapping.stride(),
         positions, *positions.stride(), next_n,
-        P=pool_size, RING=ring, PAGE=kv_cache.shape[1], NB=triton.next_power_of_2(next_n),
+        P=pool_size, RING=ring, PAGE=kv_cache.shape[1],
         PRESHUFFLE=layout == "preshuffle", FP8_MAX=fp8_max(fp8_dtype), FNUZ=fp8_dtype == torch.float8_e4m3fnuz,
         ROUND_SCALE=round_scale, NATIVE_FP8=native_fp8(device, fp8_dtype), num_warps=decode_warps(num_req),
         enable_fp_fusion=False,
