@@ -52,7 +52,6 @@ def _fp8_encode_kernel(x_ptr, o_ptr, n, FP8_MAX: tl.constexpr, FNUZ: tl.constexp
     tl.store(o_ptr + i, code, mask=m)
 
 
-
 @triton.jit
 def _bf16_round_kernel(x_ptr, o_ptr, n, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)

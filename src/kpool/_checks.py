@@ -47,6 +47,12 @@ def same_device(a: torch.device, b: torch.device) -> bool:
     return True
 
 
+def check_positive_int(name: str, value) -> None:
+    """``value`` must be an int >= 1 (a bool is not an int here)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
 def check_pool_size(pool_size: int) -> None:
     if not isinstance(pool_size, int) or pool_size < 1:
         raise ValueError(f"pool_size must be a positive int, got {pool_size!r}")

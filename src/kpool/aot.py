@@ -316,10 +316,11 @@ def _topk_specs(m):
 
 
 def _score_specs(m):
+    from .ops.logits import SUPPORTED_HEADS
     return {"_paged_topk_kernel": KernelSpec(
         ptrs=dict(q_ptr="u8", w_ptr="fp32", lens_ptr="i64", pt_ptr="i32", kv_ptr="u8", kv_f32_ptr="fp32",
                   cand_ptr="i64", out_ptr="i32", lut_ptr="i32"),
-        cross=(layout_axis(), fp8_axis("UNIT2"), axis("H", (16, 32, 64))),
+        cross=(layout_axis(), fp8_axis("UNIT2"), axis("H", SUPPORTED_HEADS)),
         cycle=(_leaf_axis(m.BLOCK_POOLS, "_chunk"), flag("FINAL"), _PAGE, axis("next_n", (1, "i32")),
                int_ptr_axis("lens_ptr", "pt_ptr")),
         derive=lambda c: dict(NT=c["_chunk"] // m.BLOCK_POOLS),
@@ -551,14 +552,17 @@ def _jobs_for(name, mod, fn, spec, targets, tier):
             raise AotSpecError(f"AOT spec of {name}: {what} sets {sorted(set(more) & set(case))} again")
         return more
 
+    def case_label(case, hints):
+        return _label({k: v for k, v in case.items() if k not in spec.fixed} | {"_hints": hints})
+
     jobs = []
     for case in _cases(spec, tier, name):
         case = {**spec.fixed, **case}
         hints = case.pop("_hints")
-        label = _label({k: v for k, v in case.items() if k not in spec.fixed} | {"_hints": hints})
+        label = case_label(case, hints)
         if spec.derive is not None:
             case.update(more_params(spec.derive, (case,), case, label, "derive"))
-            label = _label({k: v for k, v in case.items() if k not in spec.fixed} | {"_hints": hints})
+            label = case_label(case, hints)
         options = dict(spec.options, **{k[len("_opt_"):]: v for k, v in case.items() if k.startswith("_opt_")})
         case = {k: v for k, v in case.items() if not k.startswith("_")}
         for target in targets:
@@ -566,7 +570,7 @@ def _jobs_for(name, mod, fn, spec, targets, tier):
             if spec.target_derive is not None:
                 more = more_params(spec.target_derive, (case, target), case, f"{label} for {target}", "target_derive")
                 t_case = {**case, **more}
-                t_label = _label({k: v for k, v in t_case.items() if k not in spec.fixed} | {"_hints": hints})
+                t_label = case_label(t_case, hints)
             signature, constexprs = _signature(name, params, spec, t_case)
             jobs.append(AotJob(name, mod.__name__, target, signature, constexprs, hints, options, t_label))
     return jobs

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._checks import check_tensor
+from ._checks import check_positive_int, check_tensor
 from .cache import KPoolCache
 from .layout import HEAD_DIM
 
@@ -53,8 +53,7 @@ class KPoolIndexer(nn.Module):
         super().__init__()
         for name, value in (("hidden_size", hidden_size), ("q_lora_rank", q_lora_rank), ("n_heads", n_heads),
                             ("pool_size", pool_size), ("index_topk", index_topk)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_positive_int(name, value)
         if index_topk < pool_size:
             raise ValueError(f"index_topk ({index_topk}) must be >= pool_size ({pool_size})")
         self.hidden_size, self.q_lora_rank, self.n_heads = hidden_size, q_lora_rank, n_heads

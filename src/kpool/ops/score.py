@@ -5,8 +5,8 @@ over the paged cache, without a logits row in memory: one program per (query row
 ``CHUNK`` = 128..2048 pools, ``topk.plan_leaves``) scores its leaf tile by tile
 (``paged_block_logits``, ``BLOCK_POOLS`` pools per tile, the query's int8 limbs built once
 per program), keeps the ranking keys on chip and reduces them to the leaf's ``KB`` best
-(``topk.store_leaf``); the leaf lists are then merged per row (``topk.merge_lists``). A row that sees at most ``select_k`` pools scores
-nothing. Same bytes as ``select_pools(paged_pool_logits(...))`` on every backend.
+(``topk.store_leaf``); the leaf lists are then merged per row (``topk.merge_lists``). A row
+that sees at most ``select_k`` pools scores nothing. Same bytes as ``select_pools(paged_pool_logits(...))`` on every backend.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import triton.language as tl
 
 from .. import reference
 from .._backend import backend_for
+from .._checks import check_positive_int
 from . import topk
 from ._jit_fp8 import limb_table
 from .logits import check_paged_args, paged_block_logits, query_limbs, unit2
@@ -78,8 +79,7 @@ def paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, *
     """
     fp8_dtype, layout, max_pools, limit = check_paged_args(q_fp8, kv_cache, weights, pool_lens, page_table, layout,
                                                            fp8_dtype, max_pools)
-    if not isinstance(select_k, int) or isinstance(select_k, bool) or select_k < 1:
-        raise ValueError(f"select_k must be a positive int, got {select_k!r}")
+    check_positive_int("select_k", select_k)
     device = q_fp8.device
     batch, next_n, heads = q_fp8.shape[:3]
     rows = batch * next_n

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from .. import reference
 from .._backend import backend_for, interpreting
-from .._checks import INT_DTYPES, check_tensor, range_checks_enabled
+from .._checks import INT_DTYPES, check_positive_int, check_tensor, range_checks_enabled
 
 LEAF_BASE = 512  # leaves of up to MAX_CHUNK_FACTOR * max(KB, LEAF_BASE) pools ...
 MAX_CHUNK_FACTOR = 4
@@ -237,8 +237,7 @@ def select_pools(logits, pool_lens, select_k):
     device = logits.device
     rows, n_cols = logits.shape
     check_tensor("pool_lens", pool_lens, dtype=INT_DTYPES, shape=(rows,), device=device)
-    if not isinstance(select_k, int) or isinstance(select_k, bool) or select_k < 1:
-        raise ValueError(f"select_k must be a positive int, got {select_k!r}")
+    check_positive_int("select_k", select_k)
     if rows and range_checks_enabled():
         top = int(pool_lens.max())
         if top > n_cols:
