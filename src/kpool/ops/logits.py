@@ -44,7 +44,7 @@ from .. import reference
 from .._backend import backend_for
 from .._checks import INT_DTYPES, check_kv_cache, check_tensor, range_checks_enabled
 from ..layout import FP8_DTYPES, HEAD_DIM, resolve_fp8_dtype, resolve_layout
-from . import _jit, _jit_fp8
+from . import _jit, _jit_fp8, topk
 from ._jit_fp8 import limb_table
 
 BLOCK_POOLS = 32
@@ -145,8 +145,7 @@ def _paged_logits_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_
     b = row // next_n
     t = row % next_n
     j = blk * BN + tl.arange(0, BN)  # [BN] pool ids
-    n_vis = tl.load(lens_ptr + b * lens_sb + t * lens_sn).to(tl.int64)
-    n_vis = tl.minimum(tl.maximum(n_vis, 0), vis_limit)
+    n_vis = topk.visible_pools(lens_ptr, b * lens_sb + t * lens_sn, vis_limit)
     out = tl.full((BN,), float("-inf"), tl.float32)
     if blk * BN < n_vis:
         hh = tl.arange(0, H)

@@ -56,8 +56,7 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
         topk.store_leaf(tl.reshape(keys, (NT * BN,)), cand_ptr + (row * n_chunks + chunk) * KB,
                         out_ptr + row * out_stride, n_vis, select_k, NT * BN, KB, FINAL)
     elif FINAL:
-        topk.emit_selection(out_ptr + row * out_stride, tl.full((KB,), topk.NO_KEY, tl.int64), n_vis,
-                            select_k, KB)
+        topk.emit_in_order(out_ptr + row * out_stride, n_vis, select_k, KB)
 
 
 def paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, *, layout=None, fp8_dtype=None,

@@ -63,9 +63,10 @@ def pool_keys(x, j, vis):
 
 
 @triton.jit
-def visible_pools(lens_ptr, row, n_cols):
-    """``pool_lens[row]`` clamped to ``[0, n_cols]`` (int64 scalar)."""
-    return tl.minimum(tl.maximum(tl.load(lens_ptr + row).to(tl.int64), 0), n_cols)
+def visible_pools(lens_ptr, off, n_cols):
+    """The row's visible pool count (``pool_lens`` at element offset ``off``) clamped to
+    ``[0, n_cols]`` (int64 scalar)."""
+    return tl.minimum(tl.maximum(tl.load(lens_ptr + off).to(tl.int64), 0), n_cols)
 
 
 @triton.jit
@@ -76,6 +77,12 @@ def emit_selection(out_ptr, keys, n_vis, select_k, KB: tl.constexpr):
     ids = tl.where(keys == NO_KEY, -1, 4294967295 - (keys & 4294967295))
     ids = tl.where(n_vis <= select_k, tl.where(c < n_vis, c, -1), ids)
     tl.store(out_ptr + c, ids.to(tl.int32), mask=c < select_k)
+
+
+@triton.jit
+def emit_in_order(out_ptr, n_vis, select_k, KB: tl.constexpr):
+    """``emit_selection`` of a row with no keys (``n_vis <= select_k``): ``0 .. n_vis-1``, -1 padding."""
+    emit_selection(out_ptr, tl.full((KB,), NO_KEY, tl.int64), n_vis, select_k, KB)
 
 
 @triton.jit
@@ -133,8 +140,7 @@ def _chunk_topk_kernel(x_ptr, x_stride, lens_ptr, lens_stride, cand_ptr, out_ptr
         store_leaf(pool_keys(x, j, vis), cand_ptr + (row * n_chunks + chunk) * KB, out_ptr + row * out_stride,
                    n_vis, select_k, CHUNK, KB, FINAL)
     elif FINAL:
-        emit_selection(out_ptr + row * out_stride, tl.full((KB,), NO_KEY, tl.int64), n_vis,
-                       select_k, KB)
+        emit_in_order(out_ptr + row * out_stride, n_vis, select_k, KB)
 
 
 @triton.jit
@@ -156,8 +162,7 @@ def _merge_topk_kernel(cand_ptr, n_in, lens_ptr, lens_stride, n_cols, next_ptr, 
         else:
             tl.store(next_ptr + (row * n_out + grp) * KB + c, top)
     elif FINAL:
-        emit_selection(out_ptr + row * out_stride, tl.full((KB,), NO_KEY, tl.int64), n_vis,
-                       select_k, KB)
+        emit_in_order(out_ptr + row * out_stride, n_vis, select_k, KB)
 
 
 def key_block(select_k: int) -> int:
