@@ -13,8 +13,6 @@ All functions take and return fp32 tensors unless stated otherwise. No Triton he
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .layout import AMAX_FLOOR, HADAMARD_SCALE, HEAD_DIM, fp8_max
