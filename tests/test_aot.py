@@ -64,8 +64,10 @@ AOT_SPECS = {"_native_fp8_kernel": KernelSpec(
     fixed=dict(BLOCK=128))}
 """
 
-WRITERS = ("_compress_kernel", "_decode_update_kernel", "_fwht_quant_kernel")
-WRITER_MODULES = ["kpool.ops.compress", "kpool.ops.decode", "kpool.ops.quant"]
+# kernels with a NATIVE_FP8 choice: the fp8 writers (encoder) and the scorers (decoder)
+FP8_KERNELS = ("_compress_kernel", "_decode_update_kernel", "_fwht_quant_kernel", "_paged_logits_kernel",
+               "_ragged_logits_kernel", "_paged_topk_kernel")
+FP8_MODULES = ["kpool.ops.compress", "kpool.ops.decode", "kpool.ops.quant", "kpool.ops.logits", "kpool.ops.score"]
 
 
 def _fake_module(tmp_path, monkeypatch, name, source):
@@ -146,8 +148,8 @@ def test_fp8_types_only_with_native_flag(tmp_path, monkeypatch):
     assert by_mode["1"].stages[-1] == "cubin"  # it compiled: the check, not the compiler, failed it
 
 
-def test_writers_follow_the_native_fp8_table():
-    """The fp8 writers' NATIVE_FP8 per target and format is _backend.has_native_fp8's (what
+def test_fp8_kernels_follow_the_native_fp8_table():
+    """The fp8 writers' and scorers' NATIVE_FP8 per target and format is _backend.has_native_fp8's (what
     native_fp8 picks by default at run time): software on sm_80, e4m3fn native on sm_90 /
     sm_100 / gfx950, e4m3fnuz native on gfx942; every target gets both formats."""
     import torch
@@ -155,7 +157,7 @@ def test_writers_follow_the_native_fp8_table():
     from kpool._backend import has_native_fp8
     expect = {"sm_80": (False, False), "sm_90": (True, False), "sm_100": (True, False),
               "gfx942": (False, True), "gfx950": (True, False)}  # (e4m3fn, e4m3fnuz)
-    jobs = aot.build_jobs(kernels=list(WRITERS), modules=WRITER_MODULES)
+    jobs = aot.build_jobs(kernels=list(FP8_KERNELS), modules=FP8_MODULES)
     seen = set()
     for j in jobs:
         fnuz = j.constexprs["FNUZ"]
@@ -165,7 +167,7 @@ def test_writers_follow_the_native_fp8_table():
         assert native == expect[j.target][fnuz], (j.target, j.kernel, j.label)
         assert f"NATIVE_FP8={int(native)}" in j.label
         seen.add((j.kernel, j.target, fnuz))
-    assert seen == {(k, t, f) for k in WRITERS for t in aot.TARGETS for f in (False, True)}
+    assert seen == {(k, t, f) for k in FP8_KERNELS for t in aot.TARGETS for f in (False, True)}
 
 
 def test_launch_options_the_launchers_use():
@@ -194,13 +196,13 @@ def test_every_kernel_compiles_for_every_target(capsys):
     for r in results:  # all the way to the binary
         assert r.stages[-1] == ("cubin" if aot.TARGETS[r.target][0] == "cuda" else "hsaco"), r.describe()
     # fp8 types reach the TTIR exactly in the NATIVE_FP8=1 jobs (the matrix fails any other
-    # job with them): the writers on targets with the native conversion, nothing on sm_80
+    # job with them): the writers and scorers on targets with the native conversion, nothing on sm_80
     for r in results:
         assert r.native_fp8 == ("NATIVE_FP8=1" in r.label), r.describe()
     native = {t: {r.kernel for r in results if r.target == t and r.native_fp8} for t in aot.TARGETS}
-    assert native == {t: set() if t == "sm_80" else set(WRITERS) for t in aot.TARGETS}, native
+    assert native == {t: set() if t == "sm_80" else set(FP8_KERNELS) for t in aot.TARGETS}, native
     fp8_kernels = {r.kernel for r in results if "FNUZ=" in r.label}
-    assert set(WRITERS) <= fp8_kernels
+    assert set(FP8_KERNELS) <= fp8_kernels
     for k in fp8_kernels:
         for target in aot.TARGETS:
             labels = [r.label for r in results if r.kernel == k and r.target == target]

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from kpool import reference
+from kpool._backend import device_target, has_native_fp8
 from kpool.layout import ENTRY_BYTES, write_entries
 from kpool.ops import _jit_fp8
 from kpool.ops.logits import paged_pool_logits, ragged_pool_logits
@@ -104,12 +105,14 @@ def weights(shape, seed):
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _limbs_all_kernel(code_ptr, lut_ptr, out_ptr):
+def _limbs_all_kernel(code_ptr, lut_ptr, out_ptr, FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
     c = tl.load(code_ptr + tl.arange(0, 256))
-    l0, l1, l2, nan = _jit_fp8.fp8_limbs(c, lut_ptr)
+    l0, l1, l2, nan = _jit_fp8.fp8_limbs(c, lut_ptr, FNUZ, NATIVE_FP8)
     i = tl.arange(0, 256)
     tl.store(out_ptr + i, l0.to(tl.int32) + l1.to(tl.int32) * 64 + l2.to(tl.int32) * 4096)
     tl.store(out_ptr + 256 + i, nan.to(tl.int32))
+    tl.store(out_ptr + 512 + i, tl.maximum(tl.abs(l0.to(tl.int32)), tl.abs(l1.to(tl.int32))))
+    tl.store(out_ptr + 768 + i, tl.abs(l2.to(tl.int32)))
 
 
 @pytest.mark.parametrize("fp8_dtype", FP8)
@@ -123,18 +126,30 @@ def test_limb_table_all_codes(fp8_dtype):
     assert all(int(limb.abs().max()) < 64 for limb in limbs)
 
 
+def _decoders(device, fp8_dtype):
+    """The decoders the device can run: the table everywhere, the native conversion where the
+    target has it (``_backend.has_native_fp8``; the interpreter has both formats)."""
+    return [False] + ([True] if has_native_fp8(*device_target(device), fp8_dtype) else [])
+
+
 @pytest.mark.parametrize("fp8_dtype", FP8)
 def test_fp8_limbs_kernel_all_codes(device, fp8_dtype):
-    """The kernels' decoder on the device: every code -> value / unit (exact), NaN flag."""
+    """Both decoders on the device: every code -> value / unit (exact), NaN flag, limbs within
+    the bounds ``_int_dot``'s int32 accumulation relies on (63; 60 for the top limb)."""
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).to(device)
-    out = torch.empty(512, dtype=torch.int32, device=device)
-    _limbs_all_kernel[(1,)](codes, _jit_fp8.limb_table(fp8_dtype, device), out)
     ints, nan, unit = reference.fp8_int_table(fp8_dtype, "cpu")
     want = codes.cpu().view(fp8_dtype).double()
     assert unit == _jit_fp8.fp8_unit(fp8_dtype == torch.float8_e4m3fnuz)
-    assert torch.equal(out[:256].cpu().double(), ints) and torch.equal(out[256:].cpu().bool(), nan)
     assert torch.equal(torch.nan_to_num(want, nan=0.0), ints * unit) and torch.equal(torch.isnan(want), nan)
-    assert int(out[:256].abs().max()) == (229376 if fp8_dtype == torch.float8_e4m3fn else 245760)
+    for native in _decoders(device, fp8_dtype):
+        out = torch.empty(1024, dtype=torch.int32, device=device)
+        _limbs_all_kernel[(1,)](codes, _jit_fp8.limb_table(fp8_dtype, device), out,
+                                FNUZ=fp8_dtype == torch.float8_e4m3fnuz, NATIVE_FP8=native)
+        out = out.cpu()
+        assert torch.equal(out[:256].double(), ints), f"native={native}"
+        assert torch.equal(out[256:512].bool(), nan), f"native={native}"
+        assert int(out[512:768].max()) <= 63 and int(out[768:].max()) <= 60, f"native={native}"
+        assert int(out[:256].abs().max()) == (229376 if fp8_dtype == torch.float8_e4m3fn else 245760)
 
 
 # --------------------------------------------------------------------------------------------

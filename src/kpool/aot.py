@@ -32,13 +32,13 @@ Spec (``KernelSpec``): the argument types plus the constexpr cases to compile.
   case. Keys starting with ``_`` are dropped after ``derive``.
 * ``target_derive``: ``(case, target name) -> dict`` of parameters the launcher takes from
   the device, applied per target after ``derive`` (shown in the job's label). The fp8
-  writers use ``native_fp8_param``: ``NATIVE_FP8`` as ``_backend.native_fp8`` chooses by
-  default (``KPOOL_FP8_ENCODER=auto``), from the same table (``_backend.has_native_fp8``).
+  writers and scorers use ``native_fp8_param``: ``NATIVE_FP8`` as ``_backend.native_fp8``
+  chooses by default (``KPOOL_FP8_ENCODER=auto``), from the same table (``_backend.has_native_fp8``).
 
 fp8 check: a job's TTIR holds fp8 element types exactly when it is compiled with
 ``NATIVE_FP8=True`` (the native conversion); any other job with fp8 types fails (it would
 rely on a conversion sm_80, or CUDA for e4m3fnuz, lacks), and so does a ``NATIVE_FP8=True``
-job without them (the flag would not reach the encoder). The summary lists, per target,
+job without them (the flag would not reach the encoder or decoder). The summary lists, per target,
 the kernels that use a native conversion and for which format.
 * Tiers: ``full`` multiplies every ``cross`` axis (the product the launchers can reach);
   ``ci`` (default) multiplies the first ``ci_cross`` of them and spreads the others like
@@ -150,10 +150,10 @@ def fp8_axis(*keys):
     """One dict per fp8 format of ``layout.FP8_DTYPES``, restricted to ``keys`` among
     ``FP8_MAX``, ``FNUZ``, ``UNIT2`` (square of the ``_jit_fp8`` integer unit).
 
-    Every target takes both formats: fp8 is decoded with integer ops, and encoded with
-    integer ops too unless the target has the native conversion for the format (the
-    writers' ``NATIVE_FP8``, set per target by ``native_fp8_param``); each result records
-    whether fp8 types reached the IR.
+    Every target takes both formats: fp8 is encoded (writers) and decoded (scorers) with
+    integer ops or a table unless the target has the native conversion for the format
+    (``NATIVE_FP8``, set per target by ``native_fp8_param``); each result records whether
+    fp8 types reached the IR.
     """
     import torch
 
@@ -238,19 +238,19 @@ def _quant_specs(m):
 
 def _logits_specs(m):
     heads = axis("H", m.SUPPORTED_HEADS)
-    fp8 = fp8_axis("UNIT2")
+    fp8 = fp8_axis("UNIT2", "FNUZ")
     return {
         "_paged_logits_kernel": KernelSpec(
             ptrs=dict(q_ptr="u8", w_ptr="fp32", lens_ptr="i64", pt_ptr="i32", kv_ptr="u8", kv_f32_ptr="fp32",
                       out_ptr="fp32", lut_ptr="i32"),
             cross=(layout_axis(), fp8, heads),
             cycle=(_PAGE, axis("next_n", (1, "i32")), int_ptr_axis("lens_ptr", "pt_ptr")),
-            fixed=dict(BN=m.BLOCK_POOLS), options=dict(enable_fp_fusion=False)),
+            fixed=dict(BN=m.BLOCK_POOLS), target_derive=native_fp8_param, options=dict(enable_fp_fusion=False)),
         "_ragged_logits_kernel": KernelSpec(
             ptrs=dict(q_ptr="u8", w_ptr="fp32", k_ptr="u8", ksc_ptr="fp32", ks_ptr="i64", ke_ptr="i64",
                       out_ptr="fp32", lut_ptr="i32"),
             cross=(fp8, heads), cycle=(int_ptr_axis("ks_ptr", "ke_ptr"),),
-            fixed=dict(BN=m.BLOCK_POOLS), options=dict(enable_fp_fusion=False)),
+            fixed=dict(BN=m.BLOCK_POOLS), target_derive=native_fp8_param, options=dict(enable_fp_fusion=False)),
     }
 
 
@@ -320,11 +320,12 @@ def _score_specs(m):
     return {"_paged_topk_kernel": KernelSpec(
         ptrs=dict(q_ptr="u8", w_ptr="fp32", lens_ptr="i64", pt_ptr="i32", kv_ptr="u8", kv_f32_ptr="fp32",
                   cand_ptr="i64", out_ptr="i32", lut_ptr="i32"),
-        cross=(layout_axis(), fp8_axis("UNIT2"), axis("H", SUPPORTED_HEADS)),
+        cross=(layout_axis(), fp8_axis("UNIT2", "FNUZ"), axis("H", SUPPORTED_HEADS)),
         cycle=(_leaf_axis(m.BLOCK_POOLS, "_chunk"), flag("FINAL"), _PAGE, axis("next_n", (1, "i32")),
                int_ptr_axis("lens_ptr", "pt_ptr")),
         derive=lambda c: dict(NT=c["_chunk"] // m.BLOCK_POOLS),
-        fixed=dict(BN=m.BLOCK_POOLS), options=dict(enable_fp_fusion=False, num_warps=m.NUM_WARPS))}
+        fixed=dict(BN=m.BLOCK_POOLS), target_derive=native_fp8_param,
+        options=dict(enable_fp_fusion=False, num_warps=m.NUM_WARPS))}
 
 
 SPECS = {  # module (relative to kpool) -> builder
@@ -675,7 +676,7 @@ def compile_job(job: AotJob, fn=None) -> AotResult:
                          "conversion, which sm_80 (e4m3fn) and CUDA (e4m3fnuz) lack; encode with _jit.fp8_encode "
                          "or take the encoder from _backend.native_fp8")
         elif native and not res.native_fp8:
-            res.error = "NATIVE_FP8=True but no fp8 type in the TTIR: the flag does not reach the fp8 encoder"
+            res.error = "NATIVE_FP8=True but no fp8 type in the TTIR: the flag does not reach the fp8 conversion"
         elif res.shared > smem:
             res.error = f"needs {res.shared} bytes of shared memory, {job.target} has {smem}"
         else:

@@ -1,8 +1,9 @@
 """fp8 e4m3 code -> exact integer limbs for the scoring kernels (the inverse of ``_jit.fp8_encode``).
 
-No Triton fp8 conversion is used (a 256-entry table built by torch, read with one load per
-code), so the decoder compiles for every target (sm_80 has no ``float8e4nv`` conversion,
-gfx942 needs ``float8e4b8``) and runs unchanged in the CPU interpreter.
+Two decoders, same integers: the target's fp8 -> fp32 conversion where it has one for the
+format (``NATIVE_FP8``, chosen like the writers' encoder by ``_backend.native_fp8``), else a
+256-entry table built by torch and read with one load per code, which needs no fp8 type
+(sm_80 has no ``float8e4nv`` conversion, CUDA none for e4m3fnuz).
 
 Every finite e4m3 value is an integer multiple of a unit: ``2^-9`` for e4m3fn (bias 7)
 and ``2^-10`` for e4m3fnuz (bias 8). With ``e`` the 4 exponent bits and ``m`` the 3
@@ -42,8 +43,25 @@ def limb_table(fp8_dtype, device) -> torch.Tensor:
 
 
 @triton.jit
-def fp8_limbs(code, table_ptr):
-    """uint8 e4m3 codes -> int8 limbs ``(l0, l1, l2)`` of ``value / unit`` and a NaN flag, by one
-    lookup in ``limb_table`` (1 KiB, cache resident) instead of ~25 integer ops."""
-    t = tl.load(table_ptr + code.to(tl.int32))
-    return t.to(tl.int8), (t >> 8).to(tl.int8), (t >> 16).to(tl.int8), ((t >> 24) & 1) != 0
+def fp8_limbs(code, table_ptr, FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
+    """uint8 e4m3 codes -> int8 limbs ``(l0, l1, l2)`` with ``l0 + l1 * 2^6 + l2 * 2^12 ==
+    value / unit`` (0 for NaN codes) and a NaN flag; every ``|limb| <= 63``, ``|l2| <= 60``.
+
+    ``NATIVE_FP8``: the target's fp8 -> fp32 conversion (exact), ``v = value / unit``, limbs
+    ``v & 63``, ``(v >> 6) & 63``, ``v >> 12``; on the H200 this replaced the table, whose
+    gathers kept the L1 busy. Otherwise one lookup in ``limb_table`` (1 KiB, cache resident;
+    sign-magnitude limbs), which needs no fp8 type (sm_80, e4m3fnuz on CUDA).
+    """
+    if NATIVE_FP8:
+        if FNUZ:
+            x = code.to(tl.float8e4b8, bitcast=True).to(tl.float32)
+            inv_unit: tl.constexpr = 1024.0  # 1 / UNIT_FNUZ
+        else:
+            x = code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            inv_unit: tl.constexpr = 512.0  # 1 / UNIT_FN
+        nan = x != x
+        v = (tl.where(nan, 0.0, x) * inv_unit).to(tl.int32)
+        return (v & 63).to(tl.int8), ((v >> 6) & 63).to(tl.int8), (v >> 12).to(tl.int8), nan
+    else:
+        t = tl.load(table_ptr + code.to(tl.int32))
+        return t.to(tl.int8), (t >> 8).to(tl.int8), (t >> 16).to(tl.int8), ((t >> 24) & 1) != 0

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .._backend import backend_for
+from .._backend import backend_for, native_fp8
 from .._checks import INT_DTYPES, check_kv_cache, check_tensor, range_checks_enabled
 from ..layout import FP8_DTYPES, HEAD_DIM, resolve_fp8_dtype, resolve_layout
 from . import _jit, _jit_fp8, topk
@@ -54,18 +54,21 @@ CODE_DTYPES = FP8_DTYPES + (torch.uint8,)
 
 @triton.jit
 def _int_dot(q0, q1, q2, k0, k1, k2):
-    """Exact integer ``Q @ K`` from int8 limbs (``[H, 128]`` x ``[128, BN]``) -> int64 ``[H, BN]``.
+    """Exact integer ``Q @ K`` from int8 limbs (``[H, 128]`` x ``[128, BN]``) -> fp32 ``[H, BN]``,
+    rounded once (to nearest even).
 
-    Each int8 MMA sums 128 products below ``2^12`` in int32 exactly; the nine partial
-    products are recombined with their shifts in int64.
+    With ``d_s`` the sum of the limb products of weight ``2^(6s)``, the dot is ``hi * 2^12 + lo``,
+    ``hi = (d4 * 2^6 + d3) * 2^6 + d2`` and ``lo = d1 * 2^6 + d0``, both accumulated in the int32
+    MMA accumulators: limbs are at most 63 (60 for the top limb), so ``|hi| < 1.96e9 < 2^31``
+    and ``|lo| < 2^27`` at every step. ``hi * 2^12 + lo`` (``< 2^43``) is exact in fp64.
     """
-    d00 = tl.dot(q0, k0, out_dtype=tl.int32).to(tl.int64)
-    d1 = (tl.dot(q0, k1, out_dtype=tl.int32) + tl.dot(q1, k0, out_dtype=tl.int32)).to(tl.int64)
-    d2 = (tl.dot(q0, k2, out_dtype=tl.int32) + tl.dot(q1, k1, out_dtype=tl.int32)
-          + tl.dot(q2, k0, out_dtype=tl.int32)).to(tl.int64)
-    d3 = (tl.dot(q1, k2, out_dtype=tl.int32) + tl.dot(q2, k1, out_dtype=tl.int32)).to(tl.int64)
-    d4 = tl.dot(q2, k2, out_dtype=tl.int32).to(tl.int64)
-    return d00 + (d1 << 6) + (d2 << 12) + (d3 << 18) + (d4 << 24)
+    hi = tl.dot(q2, k2, out_dtype=tl.int32) << 6
+    hi = tl.dot(q1, k2, tl.dot(q2, k1, hi, out_dtype=tl.int32), out_dtype=tl.int32) << 6
+    hi = tl.dot(q0, k2, tl.dot(q1, k1, tl.dot(q2, k0, hi, out_dtype=tl.int32), out_dtype=tl.int32),
+                out_dtype=tl.int32)
+    lo = tl.dot(q0, k1, tl.dot(q1, k0, out_dtype=tl.int32), out_dtype=tl.int32) << 6
+    lo = tl.dot(q0, k0, lo, out_dtype=tl.int32)
+    return (hi.to(tl.float64) * 4096.0 + lo.to(tl.float64)).to(tl.float32)
 
 
 @triton.jit
@@ -90,23 +93,23 @@ def _head_tree(t, H: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def query_limbs(q_ptrs, lut_ptr):
+def query_limbs(q_ptrs, lut_ptr, FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
     """Query codes ``q_ptrs [H, 128]`` -> int8 limbs ``(q0, q1, q2)`` and a per-head NaN flag ``[H]``."""
-    q0, q1, q2, qn = _jit_fp8.fp8_limbs(tl.load(q_ptrs), lut_ptr)
+    q0, q1, q2, qn = _jit_fp8.fp8_limbs(tl.load(q_ptrs), lut_ptr, FNUZ, NATIVE_FP8)
     return q0, q1, q2, tl.max(qn.to(tl.int32), axis=1)
 
 
 @triton.jit
-def block_logits(q0, q1, q2, q_nan, w, k_ptrs, k_ok, kscale, lut_ptr, BN: tl.constexpr, H: tl.constexpr,
-                 UNIT2: tl.constexpr):
+def block_logits(q0, q1, q2, q_nan, w, codes, kscale, lut_ptr, BN: tl.constexpr, H: tl.constexpr,
+                 UNIT2: tl.constexpr, FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
     """Pooled logits of ``BN`` pools for one query row -> fp32 ``[BN]`` (module docstring).
 
-    ``q0..q2``, ``q_nan``: ``query_limbs``; ``w [H]`` head weights; ``k_ptrs [128, BN]`` key
-    codes (dim-major), loaded where ``k_ok [BN]``; ``kscale [BN]`` fp32; ``lut_ptr`` the
-    format's ``_jit_fp8.limb_table``.
+    ``q0..q2``, ``q_nan``: ``query_limbs``; ``w [H]`` head weights; ``codes [128, BN]`` uint8
+    key codes (dim-major); ``kscale [BN]`` fp32; ``lut_ptr``, ``FNUZ``, ``NATIVE_FP8``: the
+    decoder (``_jit_fp8.fp8_limbs``).
     """
-    k0, k1, k2, kn = _jit_fp8.fp8_limbs(tl.load(k_ptrs, mask=k_ok[None, :], other=0), lut_ptr)  # [128, BN]
-    dot = _int_dot(q0, q1, q2, k0, k1, k2).to(tl.float32) * UNIT2  # [H, BN], one rounding
+    k0, k1, k2, kn = _jit_fp8.fp8_limbs(codes, lut_ptr, FNUZ, NATIVE_FP8)  # [128, BN]
+    dot = _int_dot(q0, q1, q2, k0, k1, k2) * UNIT2  # [H, BN], one rounding
     nan = (q_nan[:, None] + tl.max(kn.to(tl.int32), axis=0)[None, :]) > 0
     s = tl.where(nan, float("nan"), dot) * kscale[None, :]
     r = tl.where(s < 0, 0.0, s)
@@ -114,23 +117,29 @@ def block_logits(q0, q1, q2, q_nan, w, k_ptrs, k_ok, kscale, lut_ptr, BN: tl.con
 
 
 @triton.jit
-def paged_block_logits(q0, q1, q2, q_nan, w, kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_row_ptr, pt_sp,
-                       j, n_vis, lut_ptr, PAGE: tl.constexpr, BN: tl.constexpr, H: tl.constexpr,
-                       PRESHUFFLE: tl.constexpr, UNIT2: tl.constexpr):
-    """Logits of one row for pools ``j [BN]`` of its page table ``pt_row_ptr`` (stride
-    ``pt_sp``): ``-inf`` for ``j >= n_vis``, NaN for a visible pool on a page outside
-    ``[0, num_pages)`` (not read)."""
+def paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_row_ptr, pt_sp, j, n_vis,
+               PAGE: tl.constexpr, PRESHUFFLE: tl.constexpr):
+    """Entries of pools ``j [BN]`` of one row's page table ``pt_row_ptr`` (stride ``pt_sp``):
+    ``(codes [128, BN] uint8, kscale [BN] fp32, ok [BN])``, ``ok`` = visible (``j < n_vis``)
+    and on a page inside ``[0, num_pages)``; entries not ``ok`` are not read (zeros)."""
     d = tl.arange(0, 128)
-    vis = j < n_vis
-    pg = tl.load(pt_row_ptr + (j // PAGE) * pt_sp, mask=vis, other=-1).to(tl.int64)
-    ok = vis & (pg >= 0) & (pg < num_pages)
+    pg = tl.load(pt_row_ptr + (j // PAGE) * pt_sp, mask=j < n_vis, other=-1).to(tl.int64)
+    ok = (j < n_vis) & (pg >= 0) & (pg < num_pages)
     state = j % PAGE
     base = tl.where(ok, pg, 0) * page_stride  # [BN] page byte offsets
     kscale = tl.load(kv_f32_ptr + (base + PAGE * 128) // 4 + state, mask=ok, other=0.0)
-    acc = block_logits(q0, q1, q2, q_nan, w,
-                       kv_ptr + base[None, :] + _jit.key_offset(state[None, :], d[:, None], PRESHUFFLE),
-                       ok, kscale, lut_ptr, BN, H, UNIT2)
-    return tl.where(vis, tl.where(ok, acc, float("nan")), float("-inf"))
+    codes = tl.load(kv_ptr + base[None, :] + _jit.key_offset(state[None, :], d[:, None], PRESHUFFLE),
+                    mask=ok[None, :], other=0)
+    return codes, kscale, ok
+
+
+@triton.jit
+def paged_tile_logits(q0, q1, q2, q_nan, w, codes, kscale, ok, j, n_vis, lut_ptr, BN: tl.constexpr,
+                      H: tl.constexpr, UNIT2: tl.constexpr, FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
+    """``block_logits`` of a ``paged_tile``: ``-inf`` for ``j >= n_vis``, NaN for a visible pool
+    on a page outside the cache."""
+    acc = block_logits(q0, q1, q2, q_nan, w, codes, kscale, lut_ptr, BN, H, UNIT2, FNUZ, NATIVE_FP8)
+    return tl.where(j < n_vis, tl.where(ok, acc, float("nan")), float("-inf"))
 
 
 @triton.jit
@@ -138,7 +147,7 @@ def _paged_logits_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_
                          pt_ptr, pt_sb, pt_sp, kv_ptr, kv_f32_ptr, page_stride, num_pages,
                          out_ptr, out_stride, max_pools, vis_limit, next_n, lut_ptr,
                          PAGE: tl.constexpr, BN: tl.constexpr, H: tl.constexpr, PRESHUFFLE: tl.constexpr,
-                         UNIT2: tl.constexpr):
+                         UNIT2: tl.constexpr, FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
     # Program (row = b * next_n + t, block): logits of pools [block*BN, block*BN + BN) of that row.
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1).to(tl.int64)
@@ -150,17 +159,19 @@ def _paged_logits_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_
     if blk * BN < n_vis:
         hh = tl.arange(0, H)
         q0, q1, q2, q_nan = query_limbs(q_ptr + b * q_sb + t * q_sn + hh[:, None] * q_sh
-                                        + tl.arange(0, 128)[None, :], lut_ptr)
-        out = paged_block_logits(q0, q1, q2, q_nan, tl.load(w_ptr + b * w_sb + t * w_sn + hh * w_sh),
-                                 kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_ptr + b * pt_sb, pt_sp, j, n_vis,
-                                 lut_ptr, PAGE, BN, H, PRESHUFFLE, UNIT2)
+                                        + tl.arange(0, 128)[None, :], lut_ptr, FNUZ, NATIVE_FP8)
+        codes, kscale, ok = paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_ptr + b * pt_sb, pt_sp,
+                                       j, n_vis, PAGE, PRESHUFFLE)
+        out = paged_tile_logits(q0, q1, q2, q_nan, tl.load(w_ptr + b * w_sb + t * w_sn + hh * w_sh),
+                                codes, kscale, ok, j, n_vis, lut_ptr, BN, H, UNIT2, FNUZ, NATIVE_FP8)
     tl.store(out_ptr + row * out_stride + j, out, mask=j < max_pools)
 
 
 @triton.jit
 def _ragged_logits_kernel(q_ptr, q_st, q_sh, w_ptr, w_st, w_sh, k_ptr, k_sn, ksc_ptr, ksc_sn, ks_ptr, ke_ptr,
                           n_keys, out_ptr, out_stride, lut_ptr,
-                          BN: tl.constexpr, H: tl.constexpr, UNIT2: tl.constexpr):
+                          BN: tl.constexpr, H: tl.constexpr, UNIT2: tl.constexpr, FNUZ: tl.constexpr,
+                          NATIVE_FP8: tl.constexpr):
     # Program (query t, block): logits of pools [block*BN, block*BN + BN) for query t.
     t = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1).to(tl.int64)
@@ -173,17 +184,21 @@ def _ragged_logits_kernel(q_ptr, q_st, q_sh, w_ptr, w_st, w_sh, k_ptr, k_sn, ksc
     acc = tl.zeros([BN], tl.float32)
     if (blk * BN < hi) & (blk * BN + BN > lo):
         kscale = tl.load(ksc_ptr + j * ksc_sn, mask=vis, other=0.0)
-        q0, q1, q2, q_nan = query_limbs(q_ptr + t * q_st + hh[:, None] * q_sh + d[None, :], lut_ptr)
-        acc = block_logits(q0, q1, q2, q_nan, tl.load(w_ptr + t * w_st + hh * w_sh),
-                           k_ptr + j[None, :] * k_sn + d[:, None], vis, kscale, lut_ptr, BN, H, UNIT2)
+        q0, q1, q2, q_nan = query_limbs(q_ptr + t * q_st + hh[:, None] * q_sh + d[None, :], lut_ptr, FNUZ,
+                                        NATIVE_FP8)
+        codes = tl.load(k_ptr + j[None, :] * k_sn + d[:, None], mask=vis[None, :], other=0)
+        acc = block_logits(q0, q1, q2, q_nan, tl.load(w_ptr + t * w_st + hh * w_sh), codes, kscale, lut_ptr,
+                           BN, H, UNIT2, FNUZ, NATIVE_FP8)
     out = tl.where(vis, acc, float("-inf"))
     tl.store(out_ptr + t * out_stride + j, out, mask=j < n_keys)
 
 
-def unit2(fp8_dtype) -> float:
-    """Square of the ``_jit_fp8`` integer unit of the format (the dot's scale)."""
-    u = _jit_fp8.fp8_unit(fp8_dtype == torch.float8_e4m3fnuz)
-    return u * u
+def decode_args(fp8_dtype, device) -> dict:
+    """The scoring kernels' fp8 constexprs: ``UNIT2`` (square of the ``_jit_fp8`` integer unit,
+    the dot's scale), ``FNUZ`` and ``NATIVE_FP8`` (decoder choice, ``_backend.native_fp8``)."""
+    fnuz = fp8_dtype == torch.float8_e4m3fnuz
+    u = _jit_fp8.fp8_unit(fnuz)
+    return dict(UNIT2=u * u, FNUZ=fnuz, NATIVE_FP8=native_fp8(device, fp8_dtype))
 
 
 def code_format(named: dict, fp8_dtype, device) -> torch.dtype:
@@ -292,7 +307,7 @@ def paged_pool_logits(q_fp8, kv_cache, weights, pool_lens, page_table, *, layout
         weights.stride(2), pool_lens, pool_lens.stride(0), pool_lens.stride(1),
         page_table, page_table.stride(0), page_table.stride(1), kv_cache, kv_cache.view(torch.float32),
         kv_cache.stride(0), num_pages, out, out.stride(0), max_pools, limit, next_n, limb_table(fp8_dtype, device),
-        PAGE=page, BN=BLOCK_POOLS, H=heads, PRESHUFFLE=layout == "preshuffle", UNIT2=unit2(fp8_dtype),
+        PAGE=page, BN=BLOCK_POOLS, H=heads, PRESHUFFLE=layout == "preshuffle", **decode_args(fp8_dtype, device),
         enable_fp_fusion=False,
     )
     return out
@@ -349,6 +364,6 @@ def ragged_pool_logits(q_fp8, k_codes, k_scale, weights, ks, ke, *, fp8_dtype=No
     _ragged_logits_kernel[grid](
         q8, q8.stride(0), q8.stride(1), weights, weights.stride(0), weights.stride(1),
         k8, k8.stride(0), k_scale, k_scale.stride(0), ks, ke, n_keys, out, out.stride(0), limb_table(fp8_dtype, device),
-        BN=BLOCK_POOLS, H=heads, UNIT2=unit2(fp8_dtype), enable_fp_fusion=False,
+        BN=BLOCK_POOLS, H=heads, **decode_args(fp8_dtype, device), enable_fp_fusion=False,
     )
     return out

@@ -3,7 +3,8 @@
 The pooled logits of ``ops/logits.py`` and the selection of ``ops/topk.py`` in one pass
 over the paged cache, without a logits row in memory: one program per (query row, leaf of
 ``CHUNK`` = 128..2048 pools, ``topk.plan_leaves``) scores its leaf tile by tile
-(``paged_block_logits``, ``BLOCK_POOLS`` pools per tile, the query's int8 limbs built once
+(``paged_tile_logits``, ``BLOCK_POOLS`` pools per tile, the next tile's entries loaded
+while one is scored, the query's int8 limbs built once
 per program), keeps the ranking keys on chip and reduces them to the leaf's ``KB`` best
 (``topk.store_leaf``); the leaf lists are then merged per row (``topk.merge_lists``). A row
 that sees at most ``select_k`` pools scores nothing. Same bytes as ``select_pools(paged_pool_logits(...))`` on every backend.
@@ -20,10 +21,11 @@ from .._backend import backend_for
 from .._checks import check_positive_int
 from . import topk
 from ._jit_fp8 import limb_table
-from .logits import check_paged_args, paged_block_logits, query_limbs, unit2
+from .logits import check_paged_args, decode_args, paged_tile, paged_tile_logits, query_limbs
 
 BLOCK_POOLS = 64  # pools per scoring tile
 NUM_WARPS = 4
+MAXNREG = None  # sweep knob (temporary)
 
 
 @triton.jit
@@ -31,7 +33,8 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
                        pt_ptr, pt_sb, pt_sp, kv_ptr, kv_f32_ptr, page_stride, num_pages,
                        cand_ptr, out_ptr, out_stride, vis_limit, next_n, select_k, n_chunks, lut_ptr,
                        PAGE: tl.constexpr, BN: tl.constexpr, NT: tl.constexpr, KB: tl.constexpr, H: tl.constexpr,
-                       PRESHUFFLE: tl.constexpr, UNIT2: tl.constexpr, FINAL: tl.constexpr):
+                       PRESHUFFLE: tl.constexpr, FINAL: tl.constexpr, UNIT2: tl.constexpr, FNUZ: tl.constexpr,
+                       NATIVE_FP8: tl.constexpr):
     # Program (row = b * next_n + t, chunk): the KB best ranking keys of pools
     # [chunk * NT * BN, (chunk + 1) * NT * BN) of that row, scored NT tiles of BN pools.
     row = tl.program_id(0).to(tl.int64)
@@ -42,17 +45,25 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
     if n_vis > select_k:
         hh = tl.arange(0, H)
         q0, q1, q2, q_nan = query_limbs(q_ptr + b * q_sb + t * q_sn + hh[:, None] * q_sh
-                                        + tl.arange(0, 128)[None, :], lut_ptr)
+                                        + tl.arange(0, 128)[None, :], lut_ptr, FNUZ, NATIVE_FP8)
         w = tl.load(w_ptr + b * w_sb + t * w_sn + hh * w_sh)
         tiles = tl.arange(0, NT)
         keys = tl.full((NT, BN), topk.NO_KEY, tl.int64)  # [NT, BN], INT64_MIN = not seen
+        pt_row = pt_ptr + b * pt_sb
+        j = chunk * NT * BN + tl.arange(0, BN)
+        n_leaf = tl.minimum(n_vis, (chunk + 1) * NT * BN)  # the leaf's last visible pool + 1
+        codes, kscale, ok = paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_row, pt_sp, j, n_leaf,
+                                       PAGE, PRESHUFFLE)
         for i in range(NT):
-            start = (chunk * NT + i) * BN
-            if start < n_vis:
-                j = start + tl.arange(0, BN)
-                x = paged_block_logits(q0, q1, q2, q_nan, w, kv_ptr, kv_f32_ptr, page_stride, num_pages,
-                                       pt_ptr + b * pt_sb, pt_sp, j, n_vis, lut_ptr, PAGE, BN, H, PRESHUFFLE, UNIT2)
+            # tile i + 1's entries are loaded before tile i is scored
+            nxt = paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_row, pt_sp, j + BN, n_leaf,
+                             PAGE, PRESHUFFLE)
+            if (chunk * NT + i) * BN < n_vis:
+                x = paged_tile_logits(q0, q1, q2, q_nan, w, codes, kscale, ok, j, n_vis, lut_ptr, BN, H, UNIT2,
+                                      FNUZ, NATIVE_FP8)
                 keys = tl.where(tiles[:, None] == i, topk.pool_keys(x, j, j < n_vis)[None, :], keys)
+            codes, kscale, ok = nxt
+            j += BN
         topk.store_leaf(tl.reshape(keys, (NT * BN,)), cand_ptr + (row * n_chunks + chunk) * KB,
                         out_ptr + row * out_stride, n_vis, select_k, NT * BN, KB, FINAL)
     elif FINAL:
@@ -99,8 +110,8 @@ def paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, *
             kv_cache, kv_cache.view(torch.float32), kv_cache.stride(0), kv_cache.shape[0],
             cand, out, out.stride(0), limit, next_n, select_k, n_chunks, limb_table(fp8_dtype, device),
             PAGE=kv_cache.shape[1], BN=BLOCK_POOLS, NT=chunk // BLOCK_POOLS, KB=kb, H=heads,
-            PRESHUFFLE=layout == "preshuffle", UNIT2=unit2(fp8_dtype), FINAL=final,
-            num_warps=NUM_WARPS, enable_fp_fusion=False,
+            PRESHUFFLE=layout == "preshuffle", FINAL=final, **decode_args(fp8_dtype, device),
+            num_warps=NUM_WARPS, maxnreg=MAXNREG, enable_fp_fusion=False,
         )
 
     topk.select_tree(out, lens, limit, select_k, launch_leaves, BLOCK_POOLS)
