@@ -25,7 +25,6 @@ from .logits import check_paged_args, decode_args, paged_tile, paged_tile_logits
 
 BLOCK_POOLS = 64  # pools per scoring tile
 NUM_WARPS = 4
-MAXNREG = None  # sweep knob (temporary)
 
 
 @triton.jit
@@ -111,7 +110,7 @@ def paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, *
             cand, out, out.stride(0), limit, next_n, select_k, n_chunks, limb_table(fp8_dtype, device),
             PAGE=kv_cache.shape[1], BN=BLOCK_POOLS, NT=chunk // BLOCK_POOLS, KB=kb, H=heads,
             PRESHUFFLE=layout == "preshuffle", FINAL=final, **decode_args(fp8_dtype, device),
-            num_warps=NUM_WARPS, maxnreg=MAXNREG, enable_fp_fusion=False,
+            num_warps=NUM_WARPS, enable_fp_fusion=False,
         )
 
     topk.select_tree(out, lens, limit, select_k, launch_leaves, BLOCK_POOLS)
