@@ -14,13 +14,13 @@ interpreter and on every GPU; kernels are launched with ``enable_fp_fusion=False
    is the exact integer sum of 128 products (``|sum| < 128 * 2^36 = 2^43``), converted
    ONCE to fp32 (round to nearest even) and multiplied by ``u^2`` (exact). A NaN code in
    either vector makes it NaN. The kernels get the exact sum from int8 ``tl.dot``s: each
-   integer is split into three signed 6-bit limbs (``i = l0 + l1*2^6 + l2*2^12``, read from
-   a 256-entry table per format, ``_jit_fp8.limb_table``: one cached load per code
-   instead of ~25 integer ops; no Triton fp8 conversion, so sm_80 and the interpreter
-   work), the nine limb products are int8 MMAs with exact int32 accumulation
-   (``128 * 63^2 < 2^31``), recombined with their shifts in int64. The torch reference
-   uses an fp64 matmul on the integers, exact in any summation order since every partial
-   sum is an integer below ``2^53``.
+   integer is split into three 6-bit limbs (``i = l0 + l1*2^6 + l2*2^12``, ``|l| <= 63``,
+   ``|l2| <= 60``; ``_jit_fp8.fp8_limbs``: the target's fp8 -> fp32 conversion where it has
+   one, else a 256-entry table per format), the nine limb products are int8 MMAs whose
+   int32 accumulators hold ``hi = d4*2^12 + d3*2^6 + d2`` and ``lo = d1*2^6 + d0`` exactly
+   (``_int_dot``), and ``hi*2^12 + lo`` is formed in fp64 (exact) and rounded once to fp32.
+   The torch reference uses an fp64 matmul on the integers, exact in any summation order
+   since every partial sum is an integer below ``2^53``.
 2. In fp32: ``s = dot * kscale[j]``; ``r = 0 if s < 0 else s`` (NaN kept);
    ``t[h] = w[h] * r``; the heads are summed as a fixed pairwise tree (H a power of two):
    ``((t0 + t1) + (t2 + t3)) + ((t4 + t5) + (t6 + t7)) + ...``.
@@ -29,9 +29,9 @@ interpreter and on every GPU; kernels are launched with ``enable_fp_fusion=False
 
 Performance: these two write a full logits row (one program per (row, ``BN`` pools)); the
 decode path of ``KPoolCache`` uses ``ops/score.py``'s fused ``paged_pool_topk`` instead,
-built from the same ``paged_block_logits``. The exact formulation costs nine int8 MMAs
-per fp8 product and a table load per key code, so scoring is bound by the SM's integer and
-MMA throughput, not by HBM (benchmarks/NOTES.md).
+built from the same ``paged_tile`` / ``paged_tile_logits``. The exact formulation costs
+nine int8 MMAs per fp8 product and a decode per key code, so scoring is bound by the SM's
+instruction issue and latency, not by HBM (benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
