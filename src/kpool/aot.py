@@ -311,7 +311,7 @@ def _topk_specs(m):
         "_merge_topk_kernel": KernelSpec(
             ptrs=dict(cand_ptr="i64", lens_ptr="i32", next_ptr="i64", out_ptr="i32"),
             cross=(_kb_axis(), axis("LOG_G", (1, m.MERGE_FANIN.bit_length() - 1)), flag("FINAL")),
-            cycle=(int_ptr_axis("lens_ptr"), axis("lens_stride", (1, "i32")))),
+            cycle=(int_ptr_axis("lens_ptr"), axis("lens_stride", (1, "i32"))), options=dict(num_warps=m.MERGE_WARPS)),
     }
 
 
