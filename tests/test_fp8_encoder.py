@@ -11,6 +11,10 @@ code NaN). Caches are pre-filled with random bytes and compared WHOLE, byte for 
 the torch reference (``kpool.reference`` / ``kpool.numerics``). A spy on the two encoders
 checks that each run really took the path it names.
 
+The scorers decode fp8 by the same choice (``software``: the limb table; ``native``: the
+conversion): paged and ragged logits and the fused ``paged_pool_topk`` on keys and queries
+holding every code of the format, NaN codes included, against the reference.
+
 The writers' quotients ``y / scale`` never pass FP8_MAX (fp32(1/FP8_MAX) rounds up for
 448 and 240, and ue8m0 scales only grow), so the encoders' saturation is tested on raw
 fp32 values, for both encoders, in test_numerics.py (``test_fp8_encode_matches_torch``).
@@ -25,8 +29,11 @@ from _util import assert_bytes_equal, make_tail, random_bytes_like, view_tail
 from kpool import _backend, numerics, reference
 from kpool import kpool_compress_and_write_cache, kpool_decode_update_and_maybe_write_cache_batched
 from kpool.layout import fp8_max, read_entries, ring_size
+from kpool.layout import write_entries
 from kpool.ops import _jit
+from kpool.ops.logits import decode_args, paged_pool_logits, ragged_pool_logits
 from kpool.ops.quant import fwht128_quant_fp8
+from kpool.ops.score import paged_pool_topk
 
 FP8 = {"e4m3fn": torch.float8_e4m3fn, "e4m3fnuz": torch.float8_e4m3fnuz}
 LAYOUT = {"e4m3fn": "plain", "e4m3fnuz": "preshuffle"}  # each format with its platform's layout
@@ -259,3 +266,59 @@ def test_query_quant(monkeypatch, encoder_spy, device, encoder, fmt):
         assert bool(torch.isin(codes[[2, 31]], _nan_codes(fp8)).all())
         floor = numerics.quant_scale(torch.tensor([1e-4]), fp8, round_scale)
         assert torch.equal(scale[[2, 7, 31]], floor.expand(3))
+
+
+# --------------------------------------------------------------------------- scorers (decoders)
+
+def _every_code(shape, fp8, gen, nan):
+    """uint8 codes ``[*shape, 128]``, each row 128 distinct random codes; NaN codes replaced
+    by 0, or (``nan``) one NaN code at dim 7 of every row."""
+    n = int(torch.tensor(shape).prod()) if shape else 1
+    rows = torch.stack([torch.randperm(256, generator=gen)[:128] for _ in range(n)]).to(torch.uint8)
+    rows = torch.where(torch.isin(rows, _nan_codes(fp8)), torch.zeros_like(rows), rows)
+    if nan:
+        rows[:, 7] = _nan_codes(fp8)[0]
+    return rows.view(*shape, 128)
+
+
+@pytest.mark.parametrize("encoder", ENCODERS)
+@pytest.mark.parametrize("fmt", list(FP8))
+def test_scorers_decode(monkeypatch, device, encoder, fmt):
+    """Both decoders: every code in keys and queries (NaN codes in some pools and in one head),
+    paged and ragged logits equal the reference's fp32 bits, the fused selection its ids."""
+    fp8, layout = FP8[fmt], LAYOUT[fmt]
+    gen = torch.Generator().manual_seed(11 + len(fmt))
+    page, pages, heads = 16, 6, 16
+    slots = page * pages
+    kv = random_bytes_like((pages, page, 132), "cpu", 5)
+    codes = _every_code((slots,), fp8, gen, nan=False)
+    codes[[3, 40, 77]] = _every_code((3,), fp8, gen, nan=True)  # pools holding NaN codes
+    assert torch.unique(codes).numel() == 256 - (len(_nan_codes(fp8)) - 1)  # every code (one NaN code)
+    scales = torch.exp2(torch.randint(-12, -2, (slots,), generator=gen).float())
+    write_entries(kv, torch.arange(slots), codes, scales, layout)
+    q = _every_code((2, 1, heads), fp8, gen, nan=False)
+    assert torch.unique(q).numel() == 256 - len(_nan_codes(fp8))  # every finite code
+    q[1, 0, 5, 9] = _nan_codes(fp8)[0]  # one NaN code in one head of row 1: every logit NaN
+    w = torch.randn(2, 1, heads, generator=gen) * 0.05
+    lens = torch.tensor([[slots], [slots - 7]], dtype=torch.int32)
+    pt = torch.randperm(pages, generator=gen).view(1, pages).expand(2, pages).contiguous().to(torch.int32)
+    _use(monkeypatch, encoder)
+    assert decode_args(fp8, torch.device(device))["NATIVE_FP8"] == _backend.native_fp8(torch.device(device), fp8)
+    assert _backend.native_fp8(torch.device(device), fp8) is (encoder == "native" and _backend.has_native_fp8(
+        *_backend.device_target(device), fp8))
+    args = [t.to(device) for t in (q, kv, w, lens, pt)]
+    got = paged_pool_logits(*args, layout=layout, fp8_dtype=fp8).cpu()
+    want = reference.paged_pool_logits(q, kv, w, lens, pt, layout, fp8, slots)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    j = torch.arange(slots)
+    slot_of_pool = pt[0, j // page].long() * page + j % page
+    assert torch.equal(torch.isnan(want[0]), torch.isin(slot_of_pool, torch.tensor([3, 40, 77])))
+    assert bool(torch.isnan(want[1, :slots - 7]).all())
+    ids = paged_pool_topk(*args, 20, layout=layout, fp8_dtype=fp8).cpu()
+    assert torch.equal(ids, reference.select_pools(want, lens.view(-1), 20))
+    kc, ksc = codes[:50], scales[:50]
+    ks, ke = torch.tensor([0, 10]), torch.tensor([50, 45])
+    got = ragged_pool_logits(q[:, 0].to(device), kc.to(device), ksc.to(device), w[:, 0].to(device), ks.to(device),
+                             ke.to(device), fp8_dtype=fp8).cpu()
+    want = reference.ragged_pool_logits(q[:, 0], kc, ksc, w[:, 0], ks, ke, fp8)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
