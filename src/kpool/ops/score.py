@@ -2,12 +2,12 @@
 
 The pooled logits of ``ops/logits.py`` and the selection of ``ops/topk.py`` in one pass
 over the paged cache, without a logits row in memory: one program per (query row, leaf of
-``CHUNK`` = 128..2048 pools, ``topk.plan_leaves``) scores its leaf tile by tile
-(``paged_tile_logits``, ``BLOCK_POOLS`` pools per tile, the next tile's entries loaded
-while one is scored, the query's int8 limbs built once
-per program), keeps the ranking keys on chip and reduces them to the leaf's ``KB`` best
-(``topk.store_leaf``); the leaf lists are then merged per row (``topk.merge_lists``). A row
-that sees at most ``select_k`` pools scores nothing. Same bytes as ``select_pools(paged_pool_logits(...))`` on every backend.
+``CHUNK`` pools, ``topk.plan_leaves``) scores its leaf tile by tile (``paged_tile_logits``,
+``BLOCK_POOLS`` pools per tile, the next tile's entries loaded while one is scored, the
+query's int8 limbs built once per program), keeps the ranking keys on chip and reduces them
+to the leaf's ``KB`` best (``topk.store_leaf``); the leaf lists are then merged per row
+(``topk.merge_lists``). A row that sees at most ``select_k`` pools scores nothing. Same
+bytes as ``select_pools(paged_pool_logits(...))`` on every backend.
 """
 
 from __future__ import annotations
