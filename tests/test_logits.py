@@ -17,7 +17,7 @@ from kpool import reference
 from kpool._backend import device_target, has_native_fp8
 from kpool.layout import ENTRY_BYTES, write_entries
 from kpool.ops import _jit_fp8
-from kpool.ops.logits import paged_pool_logits, ragged_pool_logits
+from kpool.ops.logits import RAGGED_TILE, RAGGED_TILES, paged_pool_logits, ragged_pool_logits
 from _util import random_bytes_like
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
@@ -364,6 +364,25 @@ def test_ragged_matches_exact_and_float64(backend, device, heads, fp8_dtype):
     assert_same_f32(out[vis], exact[vis], "ragged vs exact formulation")
     assert bool(torch.isneginf(out[~vis]).all())
     assert bool(((out[vis].double() - f64[vis]).abs() <= 1e-6 * mag[vis] + 1e-30).all())
+
+
+def test_ragged_spans_and_tiles(backend, device):
+    """Windows against the kernel's spans (``RAGGED_TILES`` tiles of ``RAGGED_TILE`` pools per
+    program): spans wholly outside a window, windows starting and ending inside a tile, a
+    last partial span, one-pool and empty windows."""
+    fp8_dtype, heads = torch.float8_e4m3fn, 16
+    span = RAGGED_TILE * RAGGED_TILES
+    n_keys = 2 * span + 176  # last span partial
+    q = rand_codes((6, heads, 128), fp8_dtype, seed=91)
+    k = rand_codes((n_keys, 128), fp8_dtype, seed=92)
+    ksc = torch.exp2(torch.randint(-10, -3, (n_keys,), generator=torch.Generator().manual_seed(93)).float())
+    w = weights((6, heads), seed=94)
+    ks = torch.tensor([0, span + 88, n_keys - 100, 5, n_keys - 1, 300])
+    ke = torch.tensor([n_keys, span + 190, n_keys - 50, 6, n_keys, 300])
+    out = ragged_pool_logits(q.to(device), k.to(device), ksc.to(device), w.to(device), ks.to(device), ke.to(device))
+    want = reference.ragged_pool_logits(q.view(torch.uint8), k.view(torch.uint8), ksc, w, ks, ke, fp8_dtype)
+    assert_same_f32(out, want, "ragged logits vs reference")
+    assert int(torch.isfinite(want).sum(1)[5]) == 0 and int(torch.isfinite(want).sum(1)[3]) == 1
 
 
 def test_ragged_uint8_codes_scale_column_and_nan_codes(backend, device):

@@ -250,7 +250,8 @@ def _logits_specs(m):
             ptrs=dict(q_ptr="u8", w_ptr="fp32", k_ptr="u8", ksc_ptr="fp32", ks_ptr="i64", ke_ptr="i64",
                       out_ptr="fp32", lut_ptr="i32"),
             cross=(fp8, heads), cycle=(int_ptr_axis("ks_ptr", "ke_ptr"),),
-            fixed=dict(BN=m.BLOCK_POOLS), target_derive=native_fp8_param, options=dict(enable_fp_fusion=False)),
+            fixed=dict(BN=m.RAGGED_TILE, NT=m.RAGGED_TILES), target_derive=native_fp8_param,
+            options=dict(enable_fp_fusion=False)),
     }
 
 

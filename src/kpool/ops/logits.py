@@ -27,8 +27,9 @@ interpreter and on every GPU; kernels are launched with ``enable_fp_fusion=False
 3. Pools a row does not see are ``-inf``. A visible pool whose page id is outside
    ``[0, num_pages)`` is not read and scores NaN (selection ranks NaN last).
 
-Performance: these two write a full logits row (one program per (row, ``BN`` pools)); the
-decode path of ``KPoolCache`` uses ``ops/score.py``'s fused ``paged_pool_topk`` instead,
+Performance: these two write a full logits row (paged: one program per (row, ``BLOCK_POOLS``
+pools); ragged: one per (query, ``RAGGED_TILES`` tiles of ``RAGGED_TILE`` pools), the query's
+limbs built once per program); the decode path of ``KPoolCache`` uses ``ops/score.py``'s fused ``paged_pool_topk`` instead,
 built from the same ``paged_tile`` / ``paged_tile_logits``. The exact formulation costs
 nine int8 MMAs per fp8 product and a decode per key code, so scoring is bound by the SM's
 instruction issue and latency, not by HBM (benchmarks/NOTES.md).
@@ -47,7 +48,8 @@ from ..layout import FP8_DTYPES, HEAD_DIM, resolve_fp8_dtype, resolve_layout
 from . import _jit, _jit_fp8, topk
 from ._jit_fp8 import limb_table
 
-BLOCK_POOLS = 32
+BLOCK_POOLS = 32  # pools per paged-logits program
+RAGGED_TILE, RAGGED_TILES = 64, 8  # ragged logits: pools per tile, tiles per program (one query)
 SUPPORTED_HEADS = (16, 32, 64)
 CODE_DTYPES = FP8_DTYPES + (torch.uint8,)
 
@@ -170,27 +172,34 @@ def _paged_logits_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_
 @triton.jit
 def _ragged_logits_kernel(q_ptr, q_st, q_sh, w_ptr, w_st, w_sh, k_ptr, k_sn, ksc_ptr, ksc_sn, ks_ptr, ke_ptr,
                           n_keys, out_ptr, out_stride, lut_ptr,
-                          BN: tl.constexpr, H: tl.constexpr, UNIT2: tl.constexpr, FNUZ: tl.constexpr,
-                          NATIVE_FP8: tl.constexpr):
-    # Program (query t, block): logits of pools [block*BN, block*BN + BN) for query t.
+                          BN: tl.constexpr, NT: tl.constexpr, H: tl.constexpr, UNIT2: tl.constexpr,
+                          FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
+    # Program (query t, span): logits of pools [span*NT*BN, (span+1)*NT*BN) for query t, NT
+    # tiles of BN pools; the query's limbs are built once per span that meets its window.
     t = tl.program_id(0).to(tl.int64)
-    blk = tl.program_id(1).to(tl.int64)
-    j = blk * BN + tl.arange(0, BN)  # [BN]
+    start = tl.program_id(1).to(tl.int64) * NT * BN
     d = tl.arange(0, 128)
     lo = tl.maximum(tl.load(ks_ptr + t).to(tl.int64), 0)
     hi = tl.minimum(tl.load(ke_ptr + t).to(tl.int64), n_keys)
-    vis = (j >= lo) & (j < hi)
-    hh = tl.arange(0, H)
-    acc = tl.zeros([BN], tl.float32)
-    if (blk * BN < hi) & (blk * BN + BN > lo):
-        kscale = tl.load(ksc_ptr + j * ksc_sn, mask=vis, other=0.0)
+    out_row = out_ptr + t * out_stride
+    if (start < hi) & (start + NT * BN > lo):
+        hh = tl.arange(0, H)
         q0, q1, q2, q_nan = query_limbs(q_ptr + t * q_st + hh[:, None] * q_sh + d[None, :], lut_ptr, FNUZ,
                                         NATIVE_FP8)
-        codes = tl.load(k_ptr + j[None, :] * k_sn + d[:, None], mask=vis[None, :], other=0)
-        acc = block_logits(q0, q1, q2, q_nan, tl.load(w_ptr + t * w_st + hh * w_sh), codes, kscale, lut_ptr,
-                           BN, H, UNIT2, FNUZ, NATIVE_FP8)
-    out = tl.where(vis, acc, float("-inf"))
-    tl.store(out_ptr + t * out_stride + j, out, mask=j < n_keys)
+        w = tl.load(w_ptr + t * w_st + hh * w_sh)
+        for i in range(NT):
+            j = start + i * BN + tl.arange(0, BN)  # [BN]
+            vis = (j >= lo) & (j < hi)
+            acc = tl.zeros([BN], tl.float32)
+            if (start + i * BN < hi) & (start + i * BN + BN > lo):
+                kscale = tl.load(ksc_ptr + j * ksc_sn, mask=vis, other=0.0)
+                codes = tl.load(k_ptr + j[None, :] * k_sn + d[:, None], mask=vis[None, :], other=0)
+                acc = block_logits(q0, q1, q2, q_nan, w, codes, kscale, lut_ptr, BN, H, UNIT2, FNUZ, NATIVE_FP8)
+            tl.store(out_row + j, tl.where(vis, acc, float("-inf")), mask=j < n_keys)
+    else:
+        for i in range(NT):
+            j = start + i * BN + tl.arange(0, BN)
+            tl.store(out_row + j, tl.full([BN], float("-inf"), tl.float32), mask=j < n_keys)
 
 
 def decode_args(fp8_dtype, device) -> dict:
@@ -360,10 +369,10 @@ def ragged_pool_logits(q_fp8, k_codes, k_scale, weights, ks, ke, *, fp8_dtype=No
     if n_q == 0 or n_keys == 0:
         return out
     q8, k8 = q_fp8.view(torch.uint8), k_codes.view(torch.uint8)
-    grid = (n_q, triton.cdiv(n_keys, BLOCK_POOLS))
+    grid = (n_q, triton.cdiv(n_keys, RAGGED_TILE * RAGGED_TILES))
     _ragged_logits_kernel[grid](
         q8, q8.stride(0), q8.stride(1), weights, weights.stride(0), weights.stride(1),
         k8, k8.stride(0), k_scale, k_scale.stride(0), ks, ke, n_keys, out, out.stride(0), limb_table(fp8_dtype, device),
-        BN=BLOCK_POOLS, H=heads, **decode_args(fp8_dtype, device), enable_fp_fusion=False,
+        BN=RAGGED_TILE, NT=RAGGED_TILES, H=heads, **decode_args(fp8_dtype, device), enable_fp_fusion=False,
     )
     return out
