@@ -20,6 +20,7 @@ each target with the ``auto`` choice, from the same ``has_native_fp8`` table.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -100,11 +101,17 @@ def native_fp8(device: torch.device, fp8_dtype: torch.dtype) -> bool:
 
 def device_target(device) -> tuple:
     """``(backend, arch)`` of ``device`` as ``has_native_fp8`` takes them: ``("interpreter",
-    None)`` for the CPU, ``("hip", gfx name)`` on ROCm, ``("cuda", 10 * major + minor)``."""
+    None)`` for the CPU, ``("hip", gfx name)`` on ROCm, ``("cuda", 10 * major + minor)``.
+    Looked up once per GPU (the launchers ask on every call)."""
     device = torch.device(device)
     if device.type == "cpu":
         return "interpreter", None
+    return _gpu_target(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_target(index: int) -> tuple:
     if torch.version.hip is not None:
-        return "hip", torch.cuda.get_device_properties(device).gcnArchName
-    major, minor = torch.cuda.get_device_capability(device)
+        return "hip", torch.cuda.get_device_properties(index).gcnArchName
+    major, minor = torch.cuda.get_device_capability(index)
     return "cuda", major * 10 + minor
