@@ -17,9 +17,9 @@ from kpool.layout import AMAX_FLOOR, HADAMARD_SCALE, fp8_max
 from kpool.ops import _jit
 
 from _util import assert_bytes_equal
+from conftest import DEVICE  # the device fixture's device, needed at collection time
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e4m3fnuz]
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # as the device fixture (conftest.py)
 F32 = torch.float32
 
 

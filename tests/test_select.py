@@ -293,7 +293,7 @@ def test_history_group_budget_for_topk():
 
 
 def _bad_calls():
-    i32, i64 = torch.int32, torch.int64
+    i32 = torch.int32
     ids = torch.zeros((3, 4), dtype=i32)
     seq = torch.zeros((3,), dtype=i32)
     pt = torch.zeros((3, 64), dtype=i32)
