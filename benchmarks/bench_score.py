@@ -14,6 +14,11 @@ Cases:
   Bytes (memory floor): every visible pool's 132-byte entry read once (the issue's floor),
   plus the queries, head weights and page table read and the indices written (<1%).
   Targets: B = 32 at 128K and B = 128 at 1M within 2x of the floor; B = 1 at 128K <= 10 us.
+* ``ragged``: ``ragged_pool_logits`` alone (the prefill logits op that writes a logits row):
+  ``queries`` causal queries (the last of ``4 * pools`` tokens, each seeing ``(pos + 1) // 4``
+  pools) against ``pools`` gathered pooled keys. Bytes: keys, scales, queries and weights read
+  once, the ``[queries, pools]`` fp32 logits written once; TFLOP/s as for ``prefill``.
+  ``torch``: dequantize, matmul, relu, head weights, head sum, mask (query chunks).
 * ``prefill``: one request, a chunk of ``queries`` tokens ending at position ``4 * pools - 1``
   (each query sees its ``(pos + 1) // 4`` pools, about ``pools``). ``ours`` is
   ``KPoolCache.topk_indices`` itself (eager: host planning + row chunks under
@@ -51,20 +56,25 @@ def cases(mode):
     if mode == "dry":
         dec = [(2, 1024, 1), (1, 512, 2)]
         pre = [(8, 96)]
+        rag = [(8, 300)]
         topk = 64
     elif mode == "quick":
         dec = [(32, 131072, 1), (1, 131072, 1)]
         pre = [(8192, 32768)]
+        rag = [(1024, 32768)]
         topk = 2048
     else:
         dec = [(32, 131072, 1), (128, 1048576, 1), (1, 131072, 1)]
         pre = [(8192, 32768)]
+        rag = [(1024, 32768)]
         topk = 2048
     out = [{"label": f"decode B={b} ctx={_k(c)}" + (f" n={n}" if n > 1 else ""), "kind": "decode", "batch": b,
             "ctx": c, "next_n": n, "rows": b * n, "index_topk": topk, "P": P, "heads": HEADS} for b, c, n in dec]
     out += [{"label": f"prefill q={q} pools={n}", "kind": "prefill", "queries": q, "pools": n, "rows": q,
              "index_topk": topk,
              "P": P, "heads": HEADS} for q, n in pre]
+    out += [{"label": f"ragged logits q={q} pools={n}", "kind": "ragged", "queries": q, "pools": n, "rows": q,
+             "P": P, "heads": HEADS} for q, n in rag]
     return out
 
 
@@ -304,9 +314,71 @@ def _bench_prefill(ctx, case, impl):
     return rec
 
 
+# ----------------------------------------------------------------------------- ragged logits
+
+def make_ragged(ctx, n_q, pools, i):
+    """Rotated fp8 queries ``[n_q, H, 128]``, folded weights, ``pools`` valid key codes and
+    scales, causal windows ``[0, (pos + 1) // P)`` of the last ``n_q`` of ``P * pools`` tokens."""
+    import kpool
+    from kpool import reference
+    base = 4421 * i + n_q
+    q8, qs = kpool.fwht128_quant_fp8(ctx.randn((n_q, HEADS, HEAD), base + 1, scale=2.0), fp8_dtype=FP8)
+    w = reference.fold_head_weights(ctx.randn((n_q, HEADS), base + 2, dtype=torch.float32), qs)
+    kv = make_kv(ctx, -(-pools // PAGE), base + 3).view(-1, PAGE * ENTRY)
+    codes = kv[:, : PAGE * HEAD].reshape(-1, HEAD)[:pools].view(FP8)
+    scales = kv[:, PAGE * HEAD:].contiguous().view(torch.float32).reshape(-1)[:pools]
+    pos = torch.arange(pools * P - n_q, pools * P, device=ctx.device)
+    ke = torch.div(pos + 1, P, rounding_mode="floor")
+    return q8, codes, scales, w, torch.zeros_like(ke), ke
+
+
+def _torch_ragged(q8, codes, scales, w, ks, ke):
+    n_q, n = q8.shape[0], codes.shape[0]
+    k = codes.to(torch.bfloat16)
+    per = max(1, TORCH_ELEMS // (HEADS * n))
+    j = torch.arange(n, device=q8.device)
+    outs = []
+    for s in range(0, n_q, per):
+        sc = torch.einsum("rhd,nd->rhn", q8[s:s + per].to(torch.bfloat16), k).float() * scales
+        lg = (sc.relu_() * w[s:s + per, :, None]).sum(1)
+        vis = (j[None] >= ks[s:s + per, None]) & (j[None] < ke[s:s + per, None])
+        outs.append(lg.masked_fill(~vis, float("-inf")))
+    return torch.cat(outs)
+
+
+def _bench_ragged(ctx, case, impl):
+    from kpool import reference
+    from kpool.ops.logits import ragged_pool_logits
+    n_q, pools = case["queries"], case["pools"]
+    extra = {}
+    if impl == "ours":
+        def fn(q8, codes, scales, w, ks, ke):
+            return ragged_pool_logits(q8, codes, scales, w, ks, ke)
+        if ctx.check:
+            a = make_ragged(ctx, min(n_q, 16), min(pools, 2048), 99)
+            got = fn(*a).cpu()
+            q8, codes, scales, w, ks, ke = ctx.cpu(*a)
+            want = reference.ragged_pool_logits(q8.view(torch.uint8), codes.view(torch.uint8), scales, w, ks, ke, FP8)
+            same = bool(torch.equal(got.view(torch.int32), want.view(torch.int32)))
+            extra.update(exact=same, exact_note=f"logits bits of {a[0].shape[0]} queries x {a[1].shape[0]} pools vs "
+                                                "reference.ragged_pool_logits on the CPU")
+    else:
+        fn = _torch_ragged
+        extra["note"] = "plain torch path (dequantize, matmul, relu, head weights, head sum, mask), eager"
+    length = pools * P
+    vis = sum((p + 1) // P for p in range(length - n_q, length))
+    nbytes = pools * ENTRY + n_q * HEADS * (HEAD + 4) + 2 * n_q * 8 + n_q * pools * 4
+    rec = ctx.run(fn, lambda i: make_ragged(ctx, n_q, pools, i), bytes=nbytes, graph=impl == "ours", **extra)
+    rec["flops"] = 2 * HEADS * HEAD * vis
+    rec["tflops"] = rec["flops"] / rec["us"] / 1e6 if rec.get("us") else None
+    return rec
+
+
 def bench(ctx, case, impl):
     if impl not in ("ours", "torch"):
         raise ValueError(impl)
     if case["kind"] == "decode":
         return _bench_decode(ctx, case, impl)
+    if case["kind"] == "ragged":
+        return _bench_ragged(ctx, case, impl)
     return _bench_prefill(ctx, case, impl)
