@@ -148,7 +148,7 @@ def layout_axis():
 
 def fp8_axis(*keys):
     """One dict per fp8 format of ``layout.FP8_DTYPES``, restricted to ``keys`` among
-    ``FP8_MAX``, ``FNUZ``, ``UNIT2`` (square of the ``_jit_fp8`` integer unit).
+    ``FP8_MAX`` and ``FNUZ``.
 
     Every target takes both formats: fp8 is encoded (writers) and decoded (scorers) with
     integer ops or a table unless the target has the native conversion for the format
@@ -160,9 +160,7 @@ def fp8_axis(*keys):
     from .layout import FP8_DTYPES, fp8_max
     out = []
     for dt in FP8_DTYPES:
-        fnuz = dt == torch.float8_e4m3fnuz
-        unit = 2.0 ** (-10 if fnuz else -9)
-        vals = dict(FP8_MAX=fp8_max(dt), FNUZ=fnuz, UNIT2=unit * unit)
+        vals = dict(FP8_MAX=fp8_max(dt), FNUZ=dt == torch.float8_e4m3fnuz)
         out.append({k: vals[k] for k in keys})
     return out
 
@@ -238,7 +236,7 @@ def _quant_specs(m):
 
 def _logits_specs(m):
     heads = axis("H", m.SUPPORTED_HEADS)
-    fp8 = fp8_axis("UNIT2", "FNUZ")
+    fp8 = fp8_axis("FNUZ")
     return {
         "_paged_logits_kernel": KernelSpec(
             ptrs=dict(q_ptr="u8", w_ptr="fp32", lens_ptr="i64", pt_ptr="i32", kv_ptr="u8", kv_f32_ptr="fp32",
@@ -321,7 +319,7 @@ def _score_specs(m):
     return {"_paged_topk_kernel": KernelSpec(
         ptrs=dict(q_ptr="u8", w_ptr="fp32", lens_ptr="i64", pt_ptr="i32", kv_ptr="u8", kv_f32_ptr="fp32",
                   cand_ptr="i64", out_ptr="i32", lut_ptr="i32"),
-        cross=(layout_axis(), fp8_axis("UNIT2", "FNUZ"), axis("H", SUPPORTED_HEADS)),
+        cross=(layout_axis(), fp8_axis("FNUZ"), axis("H", SUPPORTED_HEADS)),
         cycle=(_leaf_axis(m.BLOCK_POOLS, "_chunk"), flag("FINAL"), _PAGE, axis("next_n", (1, "i32")),
                int_ptr_axis("lens_ptr", "pt_ptr")),
         derive=lambda c: dict(NT=c["_chunk"] // m.BLOCK_POOLS),

@@ -21,6 +21,7 @@ import triton.language as tl
 
 UNIT_FN = 2.0 ** -9  # e4m3fn integer unit
 UNIT_FNUZ = 2.0 ** -10  # e4m3fnuz integer unit
+_UNIT2_FN, _UNIT2_FNUZ = tl.constexpr(UNIT_FN * UNIT_FN), tl.constexpr(UNIT_FNUZ * UNIT_FNUZ)
 
 
 def fp8_unit(fnuz: bool) -> float:
@@ -65,3 +66,13 @@ def fp8_limbs(code, table_ptr, FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
     else:
         t = tl.load(table_ptr + code.to(tl.int32))
         return t.to(tl.int8), (t >> 8).to(tl.int8), (t >> 16).to(tl.int8), ((t >> 24) & 1) != 0
+
+
+@triton.jit
+def scale_dot(dot, FNUZ: tl.constexpr):
+    """A dot product of two codes' integers (fp32) times ``unit^2`` of the format: its value (exact)."""
+    if FNUZ:
+        unit2: tl.constexpr = _UNIT2_FNUZ
+    else:
+        unit2: tl.constexpr = _UNIT2_FN
+    return dot * unit2

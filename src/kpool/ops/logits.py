@@ -103,7 +103,7 @@ def query_limbs(q_ptrs, lut_ptr, FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
 
 @triton.jit
 def block_logits(q0, q1, q2, q_nan, w, codes, kscale, lut_ptr, BN: tl.constexpr, H: tl.constexpr,
-                 UNIT2: tl.constexpr, FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
+                 FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
     """Pooled logits of ``BN`` pools for one query row -> fp32 ``[BN]`` (module docstring).
 
     ``q0..q2``, ``q_nan``: ``query_limbs``; ``w [H]`` head weights; ``codes [128, BN]`` uint8
@@ -111,7 +111,7 @@ def block_logits(q0, q1, q2, q_nan, w, codes, kscale, lut_ptr, BN: tl.constexpr,
     decoder (``_jit_fp8.fp8_limbs``).
     """
     k0, k1, k2, kn = _jit_fp8.fp8_limbs(codes, lut_ptr, FNUZ, NATIVE_FP8)  # [128, BN]
-    dot = _int_dot(q0, q1, q2, k0, k1, k2) * UNIT2  # [H, BN], one rounding
+    dot = _jit_fp8.scale_dot(_int_dot(q0, q1, q2, k0, k1, k2), FNUZ)  # [H, BN], one rounding
     nan = (q_nan[:, None] + tl.max(kn.to(tl.int32), axis=0)[None, :]) > 0
     s = tl.where(nan, float("nan"), dot) * kscale[None, :]
     r = tl.where(s < 0, 0.0, s)
@@ -137,10 +137,10 @@ def paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_row_ptr, pt_sp, j,
 
 @triton.jit
 def paged_tile_logits(q0, q1, q2, q_nan, w, codes, kscale, ok, j, n_vis, lut_ptr, BN: tl.constexpr,
-                      H: tl.constexpr, UNIT2: tl.constexpr, FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
+                      H: tl.constexpr, FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
     """``block_logits`` of a ``paged_tile``: ``-inf`` for ``j >= n_vis``, NaN for a visible pool
     on a page outside the cache."""
-    acc = block_logits(q0, q1, q2, q_nan, w, codes, kscale, lut_ptr, BN, H, UNIT2, FNUZ, NATIVE_FP8)
+    acc = block_logits(q0, q1, q2, q_nan, w, codes, kscale, lut_ptr, BN, H, FNUZ, NATIVE_FP8)
     return tl.where(j < n_vis, tl.where(ok, acc, float("nan")), float("-inf"))
 
 
@@ -149,7 +149,7 @@ def _paged_logits_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_
                          pt_ptr, pt_sb, pt_sp, kv_ptr, kv_f32_ptr, page_stride, num_pages,
                          out_ptr, out_stride, max_pools, vis_limit, next_n, lut_ptr,
                          PAGE: tl.constexpr, BN: tl.constexpr, H: tl.constexpr, PRESHUFFLE: tl.constexpr,
-                         UNIT2: tl.constexpr, FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
+                         FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
     # Program (row = b * next_n + t, block): logits of pools [block*BN, block*BN + BN) of that row.
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1).to(tl.int64)
@@ -165,15 +165,15 @@ def _paged_logits_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_
         codes, kscale, ok = paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_ptr + b * pt_sb, pt_sp,
                                        j, n_vis, PAGE, PRESHUFFLE)
         out = paged_tile_logits(q0, q1, q2, q_nan, tl.load(w_ptr + b * w_sb + t * w_sn + hh * w_sh),
-                                codes, kscale, ok, j, n_vis, lut_ptr, BN, H, UNIT2, FNUZ, NATIVE_FP8)
+                                codes, kscale, ok, j, n_vis, lut_ptr, BN, H, FNUZ, NATIVE_FP8)
     tl.store(out_ptr + row * out_stride + j, out, mask=j < max_pools)
 
 
 @triton.jit
 def _ragged_logits_kernel(q_ptr, q_st, q_sh, w_ptr, w_st, w_sh, k_ptr, k_sn, ksc_ptr, ksc_sn, ks_ptr, ke_ptr,
                           n_keys, out_ptr, out_stride, lut_ptr,
-                          BN: tl.constexpr, NT: tl.constexpr, H: tl.constexpr, UNIT2: tl.constexpr,
-                          FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
+                          BN: tl.constexpr, NT: tl.constexpr, H: tl.constexpr, FNUZ: tl.constexpr,
+                          NATIVE_FP8: tl.constexpr):
     # Program (query t, span): logits of pools [span*NT*BN, (span+1)*NT*BN) for query t, NT
     # tiles of BN pools; the query's limbs are built once per span that meets its window.
     t = tl.program_id(0).to(tl.int64)
@@ -194,7 +194,7 @@ def _ragged_logits_kernel(q_ptr, q_st, q_sh, w_ptr, w_st, w_sh, k_ptr, k_sn, ksc
             if (start + i * BN < hi) & (start + i * BN + BN > lo):
                 kscale = tl.load(ksc_ptr + j * ksc_sn, mask=vis, other=0.0)
                 codes = tl.load(k_ptr + j[None, :] * k_sn + d[:, None], mask=vis[None, :], other=0)
-                acc = block_logits(q0, q1, q2, q_nan, w, codes, kscale, lut_ptr, BN, H, UNIT2, FNUZ, NATIVE_FP8)
+                acc = block_logits(q0, q1, q2, q_nan, w, codes, kscale, lut_ptr, BN, H, FNUZ, NATIVE_FP8)
             tl.store(out_row + j, tl.where(vis, acc, float("-inf")), mask=j < n_keys)
     else:
         for i in range(NT):
@@ -203,11 +203,9 @@ def _ragged_logits_kernel(q_ptr, q_st, q_sh, w_ptr, w_st, w_sh, k_ptr, k_sn, ksc
 
 
 def decode_args(fp8_dtype, device) -> dict:
-    """The scoring kernels' fp8 constexprs: ``UNIT2`` (square of the ``_jit_fp8`` integer unit,
-    the dot's scale), ``FNUZ`` and ``NATIVE_FP8`` (decoder choice, ``_backend.native_fp8``)."""
-    fnuz = fp8_dtype == torch.float8_e4m3fnuz
-    u = _jit_fp8.fp8_unit(fnuz)
-    return dict(UNIT2=u * u, FNUZ=fnuz, NATIVE_FP8=native_fp8(device, fp8_dtype))
+    """The scoring kernels' fp8 constexprs: ``FNUZ`` (the format; the dot's scale is the square
+    of its ``_jit_fp8`` integer unit) and ``NATIVE_FP8`` (decoder choice, ``_backend.native_fp8``)."""
+    return dict(FNUZ=fp8_dtype == torch.float8_e4m3fnuz, NATIVE_FP8=native_fp8(device, fp8_dtype))
 
 
 def code_format(named: dict, fp8_dtype, device) -> torch.dtype:

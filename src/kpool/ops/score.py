@@ -32,8 +32,7 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
                        pt_ptr, pt_sb, pt_sp, kv_ptr, kv_f32_ptr, page_stride, num_pages,
                        cand_ptr, out_ptr, out_stride, vis_limit, next_n, select_k, n_chunks, lut_ptr,
                        PAGE: tl.constexpr, BN: tl.constexpr, NT: tl.constexpr, KB: tl.constexpr, H: tl.constexpr,
-                       PRESHUFFLE: tl.constexpr, FINAL: tl.constexpr, UNIT2: tl.constexpr, FNUZ: tl.constexpr,
-                       NATIVE_FP8: tl.constexpr):
+                       PRESHUFFLE: tl.constexpr, FINAL: tl.constexpr, FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
     # Program (row = b * next_n + t, chunk): the KB best ranking keys of pools
     # [chunk * NT * BN, (chunk + 1) * NT * BN) of that row, scored NT tiles of BN pools.
     row = tl.program_id(0).to(tl.int64)
@@ -58,8 +57,8 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
             nxt = paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_row, pt_sp, j + BN, n_leaf,
                              PAGE, PRESHUFFLE)
             if (chunk * NT + i) * BN < n_vis:
-                x = paged_tile_logits(q0, q1, q2, q_nan, w, codes, kscale, ok, j, n_vis, lut_ptr, BN, H, UNIT2,
-                                      FNUZ, NATIVE_FP8)
+                x = paged_tile_logits(q0, q1, q2, q_nan, w, codes, kscale, ok, j, n_vis, lut_ptr, BN, H, FNUZ,
+                                      NATIVE_FP8)
                 keys = tl.where(tiles[:, None] == i, topk.pool_keys(x, j, j < n_vis)[None, :], keys)
             codes, kscale, ok = nxt
             j += BN
