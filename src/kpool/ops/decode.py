@@ -77,8 +77,9 @@ def _decode_update_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
             _jit.store_entries(kv_ptr, kv_f32_ptr, page_stride, one + loc, one == 0, codes, scale, d,
                                PAGE, PRESHUFFLE)
         dst = tail_ptr + ring_off + (pos % RING) * 128 + d
-        tl.store(dst, k, mask=d < tl.where(stash, 128, 0))
-        tl.store(dst + tail_head, g, mask=d < tl.where(stash, 128, 0))
+        rows = d < tl.where(stash, 128, 0)  # as in _load_token: a vector mask
+        tl.store(dst, k, mask=rows)
+        tl.store(dst + tail_head, g, mask=rows)
         tl.debug_barrier()  # token j's ring writes precede token j + 1's ring reads
         k, g, ts, loc, pos = k1, g1, ts1, loc1, pos1
 
