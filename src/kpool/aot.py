@@ -201,7 +201,7 @@ def _compress_specs(m):
                 dict(WRITE_CACHE=True, RETURN_COMPRESSED=True)]),
         derive=lambda c: dict(BN=m.BLOCK_POOLS.get(c["P"], 1)),  # as launch_compress on a GPU
         target_derive=native_fp8_param,
-        options=dict(enable_fp_fusion=False, num_warps=m.NUM_WARPS))}
+        options=dict(enable_fp_fusion=False, num_warps=m.NUM_WARPS, maxnreg=m.MAX_REGS))}
 
 
 def _decode_specs(m):
@@ -324,7 +324,7 @@ def _score_specs(m):
                int_ptr_axis("lens_ptr", "pt_ptr")),
         derive=lambda c: dict(NT=c["_chunk"] // m.BLOCK_POOLS),
         fixed=dict(BN=m.BLOCK_POOLS), target_derive=native_fp8_param,
-        options=dict(enable_fp_fusion=False, num_warps=m.NUM_WARPS))}
+        options=dict(enable_fp_fusion=False, num_warps=m.NUM_WARPS, maxnreg=m.MAX_REGS))}
 
 
 SPECS = {  # module (relative to kpool) -> builder

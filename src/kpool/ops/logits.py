@@ -55,8 +55,8 @@ CODE_DTYPES = FP8_DTYPES + (torch.uint8,)
 
 
 @triton.jit
-def _int_dot(q0, q1, q2, k0, k1, k2):
-    """Exact integer ``Q @ K`` from int8 limbs (``[H, 128]`` x ``[128, BN]``) -> fp32 ``[H, BN]``,
+def _int_dot(a0, a1, a2, b0, b1, b2):
+    """Exact integer ``A @ B`` from int8 limbs (``[M, 128]`` x ``[128, N]``) -> fp32 ``[M, N]``,
     rounded once (to nearest even).
 
     With ``d_s`` the sum of the limb products of weight ``2^(6s)``, the dot is ``hi * 2^12 + lo``,
@@ -64,41 +64,42 @@ def _int_dot(q0, q1, q2, k0, k1, k2):
     MMA accumulators: limbs are at most 63 (60 for the top limb), so ``|hi| < 1.96e9 < 2^31``
     and ``|lo| < 2^27`` at every step. ``hi * 2^12 + lo`` (``< 2^43``) is exact in fp64.
     """
-    hi = tl.dot(q2, k2, out_dtype=tl.int32) << 6
-    hi = tl.dot(q1, k2, tl.dot(q2, k1, hi, out_dtype=tl.int32), out_dtype=tl.int32) << 6
-    hi = tl.dot(q0, k2, tl.dot(q1, k1, tl.dot(q2, k0, hi, out_dtype=tl.int32), out_dtype=tl.int32),
+    hi = tl.dot(a2, b2, out_dtype=tl.int32) << 6
+    hi = tl.dot(a1, b2, tl.dot(a2, b1, hi, out_dtype=tl.int32), out_dtype=tl.int32) << 6
+    hi = tl.dot(a0, b2, tl.dot(a1, b1, tl.dot(a2, b0, hi, out_dtype=tl.int32), out_dtype=tl.int32),
                 out_dtype=tl.int32)
-    lo = tl.dot(q0, k1, tl.dot(q1, k0, out_dtype=tl.int32), out_dtype=tl.int32) << 6
-    lo = tl.dot(q0, k0, lo, out_dtype=tl.int32)
+    lo = tl.dot(a0, b1, tl.dot(a1, b0, out_dtype=tl.int32), out_dtype=tl.int32) << 6
+    lo = tl.dot(a0, b0, lo, out_dtype=tl.int32)
     return (hi.to(tl.float64) * 4096.0 + lo.to(tl.float64)).to(tl.float32)
 
 
 @triton.jit
-def _pair_sum(t, N: tl.constexpr, BN: tl.constexpr):
-    """``[N, BN]`` -> ``[N // 2, BN]``: row ``i`` = row ``2i`` + row ``2i + 1``."""
-    a, b = tl.split(tl.permute(tl.reshape(t, (N // 2, 2, BN)), (0, 2, 1)))
+def _pair_sum(t, BN: tl.constexpr, N: tl.constexpr):
+    """``[BN, N]`` -> ``[BN, N // 2]``: column ``i`` = column ``2i`` + column ``2i + 1``."""
+    a, b = tl.split(tl.reshape(t, (BN, N // 2, 2)))
     return a + b
 
 
 @triton.jit
-def _head_tree(t, H: tl.constexpr, BN: tl.constexpr):
-    """Pairwise sum over the heads of ``t [H, BN]`` (H in 16, 32, 64) -> ``[BN]``."""
+def _head_tree(t, BN: tl.constexpr, H: tl.constexpr):
+    """Pairwise sum over the heads of ``t [BN, H]`` (H in 16, 32, 64) -> ``[BN]``."""
     if H == 64:
-        t = _pair_sum(t, 64, BN)
+        t = _pair_sum(t, BN, 64)
     if H >= 32:
-        t = _pair_sum(t, 32, BN)
-    t = _pair_sum(t, 16, BN)
-    t = _pair_sum(t, 8, BN)
-    t = _pair_sum(t, 4, BN)
-    t = _pair_sum(t, 2, BN)
+        t = _pair_sum(t, BN, 32)
+    t = _pair_sum(t, BN, 16)
+    t = _pair_sum(t, BN, 8)
+    t = _pair_sum(t, BN, 4)
+    t = _pair_sum(t, BN, 2)
     return tl.reshape(t, (BN,))
 
 
 @triton.jit
 def query_limbs(q_ptrs, lut_ptr, FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
-    """Query codes ``q_ptrs [H, 128]`` -> int8 limbs ``(q0, q1, q2)`` and a per-head NaN flag ``[H]``."""
+    """Query codes ``q_ptrs [128, H]`` (dim-major) -> int8 limbs ``(q0, q1, q2)`` ``[128, H]``
+    and a per-head NaN flag ``[H]``."""
     q0, q1, q2, qn = _jit_fp8.fp8_limbs(tl.load(q_ptrs), lut_ptr, FNUZ, NATIVE_FP8)
-    return q0, q1, q2, tl.max(qn.to(tl.int32), axis=1)
+    return q0, q1, q2, tl.max(qn.to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -106,23 +107,24 @@ def block_logits(q0, q1, q2, q_nan, w, codes, kscale, lut_ptr, BN: tl.constexpr,
                  FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
     """Pooled logits of ``BN`` pools for one query row -> fp32 ``[BN]`` (module docstring).
 
-    ``q0..q2``, ``q_nan``: ``query_limbs``; ``w [H]`` head weights; ``codes [128, BN]`` uint8
-    key codes (dim-major); ``kscale [BN]`` fp32; ``lut_ptr``, ``FNUZ``, ``NATIVE_FP8``: the
-    decoder (``_jit_fp8.fp8_limbs``).
+    ``q0..q2``, ``q_nan``: ``query_limbs``; ``w [H]`` head weights; ``codes [BN, 128]`` uint8
+    key codes; ``kscale [BN]`` fp32; ``lut_ptr``, ``FNUZ``, ``NATIVE_FP8``: the decoder
+    (``_jit_fp8.fp8_limbs``). The pools are the MMA's rows (M = BN) and the heads its
+    columns, so the query limbs are the loop-invariant operand.
     """
-    k0, k1, k2, kn = _jit_fp8.fp8_limbs(codes, lut_ptr, FNUZ, NATIVE_FP8)  # [128, BN]
-    dot = _jit_fp8.scale_dot(_int_dot(q0, q1, q2, k0, k1, k2), FNUZ)  # [H, BN], one rounding
-    nan = (q_nan[:, None] + tl.max(kn.to(tl.int32), axis=0)[None, :]) > 0
-    s = tl.where(nan, float("nan"), dot) * kscale[None, :]
+    k0, k1, k2, kn = _jit_fp8.fp8_limbs(codes, lut_ptr, FNUZ, NATIVE_FP8)  # [BN, 128]
+    dot = _jit_fp8.scale_dot(_int_dot(k0, k1, k2, q0, q1, q2), FNUZ)  # [BN, H], one rounding
+    nan = (tl.max(kn.to(tl.int32), axis=1)[:, None] + q_nan[None, :]) > 0
+    s = tl.where(nan, float("nan"), dot) * kscale[:, None]
     r = tl.where(s < 0, 0.0, s)
-    return _head_tree(w[:, None] * r, H, BN)
+    return _head_tree(r * w[None, :], BN, H)
 
 
 @triton.jit
 def paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_row_ptr, pt_sp, j, n_vis,
                PAGE: tl.constexpr, PRESHUFFLE: tl.constexpr):
     """Entries of pools ``j [BN]`` of one row's page table ``pt_row_ptr`` (stride ``pt_sp``):
-    ``(codes [128, BN] uint8, kscale [BN] fp32, ok [BN])``, ``ok`` = visible (``j < n_vis``)
+    ``(codes [BN, 128] uint8, kscale [BN] fp32, ok [BN])``, ``ok`` = visible (``j < n_vis``)
     and on a page inside ``[0, num_pages)``; entries not ``ok`` are not read (zeros)."""
     d = tl.arange(0, 128)
     pg = tl.load(pt_row_ptr + (j // PAGE) * pt_sp, mask=j < n_vis, other=-1).to(tl.int64)
@@ -130,8 +132,8 @@ def paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_row_ptr, pt_sp, j,
     state = j % PAGE
     base = tl.where(ok, pg, 0) * page_stride  # [BN] page byte offsets
     kscale = tl.load(kv_f32_ptr + (base + PAGE * 128) // 4 + state, mask=ok, other=0.0)
-    codes = tl.load(kv_ptr + base[None, :] + _jit.key_offset(state[None, :], d[:, None], PRESHUFFLE),
-                    mask=ok[None, :], other=0)
+    codes = tl.load(kv_ptr + base[:, None] + _jit.key_offset(state[:, None], d[None, :], PRESHUFFLE),
+                    mask=ok[:, None], other=0)
     return codes, kscale, ok
 
 
@@ -160,8 +162,8 @@ def _paged_logits_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_
     out = tl.full((BN,), float("-inf"), tl.float32)
     if blk * BN < n_vis:
         hh = tl.arange(0, H)
-        q0, q1, q2, q_nan = query_limbs(q_ptr + b * q_sb + t * q_sn + hh[:, None] * q_sh
-                                        + tl.arange(0, 128)[None, :], lut_ptr, FNUZ, NATIVE_FP8)
+        q0, q1, q2, q_nan = query_limbs(q_ptr + b * q_sb + t * q_sn + hh[None, :] * q_sh
+                                        + tl.arange(0, 128)[:, None], lut_ptr, FNUZ, NATIVE_FP8)
         codes, kscale, ok = paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_ptr + b * pt_sb, pt_sp,
                                        j, n_vis, PAGE, PRESHUFFLE)
         out = paged_tile_logits(q0, q1, q2, q_nan, tl.load(w_ptr + b * w_sb + t * w_sn + hh * w_sh),
@@ -184,7 +186,7 @@ def _ragged_logits_kernel(q_ptr, q_st, q_sh, w_ptr, w_st, w_sh, k_ptr, k_sn, ksc
     out_row = out_ptr + t * out_stride
     if (start < hi) & (start + NT * BN > lo):
         hh = tl.arange(0, H)
-        q0, q1, q2, q_nan = query_limbs(q_ptr + t * q_st + hh[:, None] * q_sh + d[None, :], lut_ptr, FNUZ,
+        q0, q1, q2, q_nan = query_limbs(q_ptr + t * q_st + hh[None, :] * q_sh + d[:, None], lut_ptr, FNUZ,
                                         NATIVE_FP8)
         w = tl.load(w_ptr + t * w_st + hh * w_sh)
         for i in range(NT):
@@ -193,7 +195,7 @@ def _ragged_logits_kernel(q_ptr, q_st, q_sh, w_ptr, w_st, w_sh, k_ptr, k_sn, ksc
             acc = tl.zeros([BN], tl.float32)
             if (start + i * BN < hi) & (start + i * BN + BN > lo):
                 kscale = tl.load(ksc_ptr + j * ksc_sn, mask=vis, other=0.0)
-                codes = tl.load(k_ptr + j[None, :] * k_sn + d[:, None], mask=vis[None, :], other=0)
+                codes = tl.load(k_ptr + j[:, None] * k_sn + d[None, :], mask=vis[:, None], other=0)
                 acc = block_logits(q0, q1, q2, q_nan, w, codes, kscale, lut_ptr, BN, H, FNUZ, NATIVE_FP8)
             tl.store(out_row + j, tl.where(vis, acc, float("-inf")), mask=j < n_keys)
     else:

@@ -17,14 +17,15 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .._backend import backend_for
+from .._backend import backend_for, device_target
 from .._checks import check_positive_int
 from . import topk
 from ._jit_fp8 import limb_table
 from .logits import check_paged_args, decode_args, paged_tile, paged_tile_logits, query_limbs
 
-BLOCK_POOLS = 64  # pools per scoring tile
+BLOCK_POOLS = 64  # pools per scoring tile: the MMA's M (one wgmma warpgroup on Hopper)
 NUM_WARPS = 4
+MAX_REGS = 168  # CUDA register cap: 3 programs per SM instead of 2 (H200: 32 x 128K -10%, 128 x 1M -11%)
 
 
 @triton.jit
@@ -42,8 +43,8 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
     n_vis = topk.visible_pools(lens_ptr, row * lens_stride, vis_limit)
     if n_vis > select_k:
         hh = tl.arange(0, H)
-        q0, q1, q2, q_nan = query_limbs(q_ptr + b * q_sb + t * q_sn + hh[:, None] * q_sh
-                                        + tl.arange(0, 128)[None, :], lut_ptr, FNUZ, NATIVE_FP8)
+        q0, q1, q2, q_nan = query_limbs(q_ptr + b * q_sb + t * q_sn + hh[None, :] * q_sh
+                                        + tl.arange(0, 128)[:, None], lut_ptr, FNUZ, NATIVE_FP8)
         w = tl.load(w_ptr + b * w_sb + t * w_sn + hh * w_sh)
         tiles = tl.arange(0, NT)
         keys = tl.full((NT, BN), topk.NO_KEY, tl.int64)  # [NT, BN], INT64_MIN = not seen
@@ -66,6 +67,14 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
                         out_ptr + row * out_stride, n_vis, select_k, NT * BN, KB, FINAL)
     elif FINAL:
         topk.emit_in_order(out_ptr + row * out_stride, n_vis, select_k, KB)
+
+
+def launch_options(device) -> dict:
+    """Compile options of ``_paged_topk_kernel``: ``MAX_REGS`` applies to CUDA targets only."""
+    opts = dict(num_warps=NUM_WARPS, enable_fp_fusion=False)
+    if device_target(device)[0] == "cuda":
+        opts["maxnreg"] = MAX_REGS
+    return opts
 
 
 def paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, *, layout=None, fp8_dtype=None,
@@ -109,7 +118,7 @@ def paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, *
             cand, out, out.stride(0), limit, next_n, select_k, n_chunks, limb_table(fp8_dtype, device),
             PAGE=kv_cache.shape[1], BN=BLOCK_POOLS, NT=chunk // BLOCK_POOLS, KB=kb, H=heads,
             PRESHUFFLE=layout == "preshuffle", FINAL=final, **decode_args(fp8_dtype, device),
-            num_warps=NUM_WARPS, enable_fp_fusion=False,
+            **launch_options(device),
         )
 
     topk.select_tree(out, lens, limit, select_k, launch_leaves, BLOCK_POOLS)
