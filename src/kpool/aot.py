@@ -201,7 +201,7 @@ def _compress_specs(m):
                 dict(WRITE_CACHE=True, RETURN_COMPRESSED=True)]),
         derive=lambda c: dict(BN=m.BLOCK_POOLS.get(c["P"], 1)),  # as launch_compress on a GPU
         target_derive=native_fp8_param,
-        options=dict(enable_fp_fusion=False, num_warps=m.NUM_WARPS, maxnreg=m.MAX_REGS))}
+        options=dict(enable_fp_fusion=False, num_warps=m.NUM_WARPS))}
 
 
 def _decode_specs(m):
@@ -301,16 +301,26 @@ def _leaf_axis(granule=1, key="CHUNK"):
     return out
 
 
+def _survivor_axis(m):
+    """(KB, KW = min(leaf, KB), LG) of ``topk.threshold_select`` at both ends of the leaf range."""
+    return [{"KB": c["KB"], "KW": min(c["CHUNK"], c["KB"]), "LG": max(1, m.SURVIVOR_KEYS // min(c["CHUNK"], c["KB"]))}
+            for c in _leaf_axis()]
+
+
 def _topk_specs(m):
     return {
         "_chunk_topk_kernel": KernelSpec(
             ptrs=dict(x_ptr="fp32", lens_ptr="i32", cand_ptr="i64", out_ptr="i32"),
             cross=(_leaf_axis(), flag("FINAL")),
             cycle=(int_ptr_axis("lens_ptr"), axis("lens_stride", (1, "i32")))),
-        "_merge_topk_kernel": KernelSpec(
-            ptrs=dict(cand_ptr="i64", lens_ptr="i32", next_ptr="i64", out_ptr="i32"),
-            cross=(_kb_axis(), axis("LOG_G", (1, m.MERGE_FANIN.bit_length() - 1)), flag("FINAL")),
-            cycle=(int_ptr_axis("lens_ptr"), axis("lens_stride", (1, "i32"))), options=dict(num_warps=m.MERGE_WARPS)),
+        "_survivors_kernel": KernelSpec(
+            ptrs=dict(cand_ptr="i64", lens_ptr="i32", surv_ptr="i64", count_ptr="i32"),
+            cross=(_survivor_axis(m), axis("LB", (2, 256))),  # LB = next_pow2(leaves per row)
+            cycle=(int_ptr_axis("lens_ptr"), axis("lens_stride", (1, "i32")))),
+        "_threshold_select_kernel": KernelSpec(
+            ptrs=dict(surv_ptr="i64", count_ptr="i32", lens_ptr="i32", out_ptr="i32"),
+            cross=(_kb_axis(),), cycle=(int_ptr_axis("lens_ptr"), axis("lens_stride", (1, "i32"))),
+            fixed=dict(BLOCK=m.SELECT_BLOCK), options=dict(num_warps=m.SELECT_WARPS)),
     }
 
 

@@ -5,8 +5,8 @@ over the paged cache, without a logits row in memory: one program per (query row
 ``CHUNK`` pools, ``topk.plan_leaves``) scores its leaf tile by tile (``paged_tile_logits``,
 ``BLOCK_POOLS`` pools per tile, the next tile's entries loaded while one is scored, the
 query's int8 limbs built once per program), keeps the ranking keys on chip and reduces them
-to the leaf's ``KB`` best (``topk.store_leaf``); the leaf lists are then merged per row
-(``topk.merge_lists``). A row that sees at most ``select_k`` pools scores nothing. Same
+to the leaf's ``KB`` best (``topk.store_leaf``); the leaf lists are then reduced per row
+(``topk.threshold_select``). A row that sees at most ``select_k`` pools scores nothing. Same
 bytes as ``select_pools(paged_pool_logits(...))`` on every backend.
 """
 

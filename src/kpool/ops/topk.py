@@ -11,17 +11,24 @@ is left; ``-inf`` pools are still visible). The ranking key ``ordered * 2^32 + (
 is unique per pool (``reference.pool_order_keys``), so the selection is a pure function of
 the inputs; pools a row does not see get the key ``INT64_MIN``.
 
-Kernels (a tree of bitonic top-k, ``tl.topk``, over unique int64 keys):
+Kernels:
 
 1. leaves: one program per (row, chunk of ``CHUNK`` pools) keeps the ``KB`` best keys of
-   its chunk (``KB = next_pow2(select_k)``), sorted (all of them, padded, when ``CHUNK <
-   KB``: small batches get more, smaller leaves). ``_chunk_topk_kernel`` reads the keys'
-   scores from a logits row; ``ops/score.py``'s fused decode kernel computes them on chip
-   and never writes a logits row.
-2. ``_merge_topk_kernel``: one program per (row, group of up to ``MERGE_FANIN`` lists)
-   keeps the ``KB`` best of the group, until one list per row is left.
-3. the last level (a leaf when a row has one chunk) writes pool ids: the list's first
-   ``select_k`` keys decoded, or ``0 .. n-1`` when ``n <= select_k`` pools are visible.
+   its chunk (``KB = next_pow2(select_k)``), sorted (``tl.topk``; all of them, sorted and
+   padded, when ``CHUNK < KB``: small batches get more, smaller leaves). ``_chunk_topk_kernel``
+   reads the keys' scores from a logits row; ``ops/score.py``'s fused decode kernel computes
+   them on chip and never writes a logits row. A row with one leaf writes its ids there.
+2. rows with several leaves, without merging the lists (``threshold_select``):
+   ``_survivors_kernel`` (programs per (row, group of lists)) computes a lower bound of the
+   row's ``select_k``-th best key (``_row_bound``: the ``cdiv(select_k, n_full)``-th key of
+   every wholly visible leaf's list; at least ``select_k`` keys are at or above the smallest)
+   and appends the keys at or above it to a survivor buffer (offsets from an atomic counter:
+   the order varies, the set does not). ``_threshold_select_kernel`` (one program per row)
+   finds the ``select_k``-th best survivor by MSB radix passes of 8 bits (``tl.histogram``)
+   over the offsets from the smallest one, keeps the keys at or above it (exactly
+   ``select_k``), sorts them and writes their ids. Integer work only: exact and
+   deterministic. H200, 1 x 128K: 41 us of bitonic merges became 4 + 20 us; rows whose keys
+   all tie (e.g. all-zero scores) leave the bound loose: about 100 us there.
 
 Rows with ``n <= select_k`` visible pools skip the loads and the sorting.
 """
@@ -39,8 +46,9 @@ from .._checks import INT_DTYPES, check_positive_int, check_tensor, range_checks
 LEAF_BASE = 512  # leaves of up to MAX_CHUNK_FACTOR * max(KB, LEAF_BASE) pools ...
 MAX_CHUNK_FACTOR = 2
 MIN_CHUNK = 128  # ... and at least this many (smaller leaves keep all their keys, sorted)
-MERGE_FANIN = 8  # lists merged per program (best_of_lists takes at most 8)
-MERGE_WARPS = 16  # warps per merge program (H200: 1 x 128K merges 45.8 -> 40.8 us vs 4 warps)
+SELECT_WARPS = 8  # warps of the per-row threshold-select program ...
+SELECT_BLOCK = 2048  # ... and keys per step of its passes (H200 sweep: 32 x 128K 19.9 -> 12.7 us vs 16 x 4096)
+SURVIVOR_KEYS = 2048  # keys per program of the survivor filter
 PROGRAMS_PER_SM = 2  # leaf grid target when choosing the leaf size
 MIN_KB = 16  # tl.topk / tl.arange below 16 keys do not lower on every target
 NO_KEY = tl.constexpr(-9223372036854775807 - 1)  # INT64_MIN: the key of a pool the row does not see
@@ -87,31 +95,6 @@ def emit_in_order(out_ptr, n_vis, select_k, KB: tl.constexpr):
 
 
 @triton.jit
-def _merge_pairs(lists, HALF: tl.constexpr, KB: tl.constexpr):
-    """``[2 * HALF, KB]`` descending lists -> ``[HALF, KB]``: the ``KB`` best of each pair.
-
-    ``max(a, flip(b))`` holds the ``KB`` best of two descending lists as a bitonic sequence,
-    which one bitonic merge sorts (``log2(KB)`` steps instead of a full sort).
-    """
-    a, b = tl.split(tl.permute(tl.reshape(lists, (HALF, 2, KB)), (0, 2, 1)))
-    return tl.bitonic_merge(tl.maximum(a, tl.flip(b, 1)), descending=True)
-
-
-@triton.jit
-def best_of_lists(lists, LOG_G: tl.constexpr, KB: tl.constexpr):
-    """The ``KB`` best keys of ``2^LOG_G`` (at most 8) descending lists ``[2^LOG_G, KB]`` ->
-    descending ``[KB]``, by pairwise merges."""
-    tl.static_assert(LOG_G <= 3)
-    if LOG_G == 3:
-        lists = _merge_pairs(lists, 4, KB)
-    if LOG_G >= 2:
-        lists = _merge_pairs(lists, 2, KB)
-    if LOG_G >= 1:
-        lists = _merge_pairs(lists, 1, KB)
-    return tl.reshape(lists, (KB,))
-
-
-@triton.jit
 def store_leaf(keys, cand_ptr, out_ptr, n_vis, select_k, CHUNK: tl.constexpr, KB: tl.constexpr,
                FINAL: tl.constexpr):
     """A leaf's ``KB`` best of ``keys [CHUNK]`` (all of them, sorted, ``INT64_MIN``-padded when
@@ -145,25 +128,117 @@ def _chunk_topk_kernel(x_ptr, x_stride, lens_ptr, lens_stride, cand_ptr, out_ptr
 
 
 @triton.jit
-def _merge_topk_kernel(cand_ptr, n_in, lens_ptr, lens_stride, n_cols, next_ptr, n_out, out_ptr, out_stride,
-                       select_k, LOG_G: tl.constexpr, KB: tl.constexpr, FINAL: tl.constexpr):
-    # Program (row, group): the KB best keys of lists [group*G, group*G + G) of cand[row] (n_in lists).
-    G: tl.constexpr = 1 << LOG_G
+def _compact(base, n, min_key, BLOCK: tl.constexpr):
+    """Move the keys ``>= min_key`` (never ``NO_KEY``) of ``base[0:n]`` to the front, in order,
+    in place. A barrier between each step's loads and stores keeps every write behind the
+    reads (writes land below the count kept so far, at most the step's end)."""
+    cnt = tl.zeros((), tl.int32)
+    for start in range(0, n, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        key = tl.load(base + i, mask=i < n, other=NO_KEY)
+        keep = (key >= min_key) & (key != NO_KEY)
+        tl.debug_barrier()
+        pos = cnt + tl.cumsum(keep.to(tl.int32), 0) - 1
+        tl.store(base + pos, key, mask=keep)
+        cnt += tl.sum(keep.to(tl.int32))
+    tl.debug_barrier()
+
+
+@triton.jit
+def _radix_threshold(base, cnt, lo, top, select_k, BLOCK: tl.constexpr):
+    """The ``select_k``-th largest of the ``cnt >= select_k`` unique keys ``base[0:cnt]``, all
+    in ``[lo, top]``, by MSB radix passes of 8 bits over ``u = uint64(key - lo)``; returns it
+    as ``uint64`` offset from ``lo``. A pass histograms the current bucket's next digit, keeps
+    the digit where the count from the top reaches ``need`` and stops once that bucket holds
+    exactly the keys still needed (at the latest on the last digit: keys are unique)."""
+    rng = top.to(tl.uint64, bitcast=True) - lo.to(tl.uint64, bitcast=True)
+    s = tl.zeros((), tl.int32)
+    while (s < 56) & ((rng >> tl.minimum(s + 8, 63).to(tl.uint64)) != 0):  # digits below the range's top
+        s += 8
+    bucket = tl.zeros((), tl.uint64)  # lowest offset of the current bucket
+    need = tl.zeros((), tl.int32) + select_k
+    searching = cnt > 0
+    d = tl.arange(0, 256)
+    while searching:
+        hist = tl.zeros((256,), tl.int32)
+        for start in range(0, cnt, BLOCK):
+            i = start + tl.arange(0, BLOCK)
+            u = tl.load(base + i, mask=i < cnt, other=0).to(tl.uint64, bitcast=True) - lo.to(tl.uint64, bitcast=True)
+            rel = u - bucket
+            hi = rel >> s.to(tl.uint64)
+            hist += tl.histogram((hi & 255).to(tl.int32), 256, mask=(i < cnt) & (u >= bucket) & (hi < 256))
+        at_or_above = tl.sum(hist) - tl.cumsum(hist, 0) + hist  # [256] keys of the bucket with digit >= d
+        digit = tl.sum((at_or_above >= need).to(tl.int32)) - 1
+        here = d == digit
+        n_eq = tl.sum(tl.where(here, hist, 0))
+        need -= tl.sum(tl.where(here, at_or_above, 0)) - n_eq
+        bucket += digit.to(tl.uint64) << s.to(tl.uint64)
+        searching = (need != n_eq) & (s > 0)
+        s -= 8
+    return bucket
+
+
+@triton.jit
+def _row_bound(base, n_vis, chunk, select_k, KB: tl.constexpr, LB: tl.constexpr):
+    """A lower bound of a row's ``select_k``-th best key from its leaf lists ``base[l, 0:KB]``
+    (descending, leaves of ``chunk`` pools; int64 scalar). The first ``n_vis // chunk`` lists
+    come from wholly visible leaves and hold ``min(chunk, KB)`` keys each; when their
+    ``cdiv(select_k, n_full)``-th keys exist, at least ``select_k`` keys are ``>=`` the
+    smallest of those. Else ``NO_KEY`` (every key)."""
+    full = (n_vis // chunk).to(tl.int32)
+    per_list = (select_k + tl.maximum(full, 1) - 1) // tl.maximum(full, 1)
+    bound = full * tl.minimum(chunk, KB) >= select_k
+    lst = tl.arange(0, LB)
+    heads = tl.load(base + lst * KB + per_list - 1, mask=lst < tl.where(bound, full, 0), other=9223372036854775807)
+    return tl.where(bound, tl.min(heads), NO_KEY)
+
+
+@triton.jit
+def _survivors_kernel(cand_ptr, n_lists, chunk, lens_ptr, lens_stride, n_cols, surv_ptr, count_ptr, select_k,
+                      KB: tl.constexpr, KW: tl.constexpr, LG: tl.constexpr, LB: tl.constexpr):
+    # Program (row, group): appends the keys >= _row_bound of lists [group*LG, +LG) of
+    # cand[row] (their first KW = min(chunk, KB) entries, the rest is padding) to
+    # surv[row], at offsets claimed with an atomic on count[row]. The order of the survivors
+    # depends on the schedule; what follows only counts and sorts them.
     row = tl.program_id(0).to(tl.int64)
-    grp = tl.program_id(1).to(tl.int64)
     n_vis = visible_pools(lens_ptr, row * lens_stride, n_cols)
-    lst = grp * G + tl.arange(0, G)
     if n_vis > select_k:
+        base = cand_ptr + row * n_lists * KB
+        lo = _row_bound(base, n_vis, chunk, select_k, KB, LB)
+        lst = tl.program_id(1) * LG + tl.arange(0, LG)
+        key = tl.load(base + lst[:, None] * KB + tl.arange(0, KW)[None, :], mask=(lst < n_lists)[:, None],
+                      other=NO_KEY)
+        key = tl.reshape(key, (LG * KW,))
+        keep = (key >= lo) & (key != NO_KEY)
+        at = tl.atomic_add(count_ptr + row, tl.sum(keep.to(tl.int32)))
+        tl.store(surv_ptr + row * n_lists * KW + at + tl.cumsum(keep.to(tl.int32), 0) - 1, key, mask=keep)
+
+
+@triton.jit
+def _threshold_select_kernel(surv_ptr, n_surv, count_ptr, lens_ptr, lens_stride, n_cols, out_ptr, out_stride,
+                             select_k, KB: tl.constexpr, BLOCK: tl.constexpr):
+    # Program (row): the select_k best of the row's count[row] survivors surv[row, :] (module
+    # docstring, step 2); the survivors are overwritten.
+    row = tl.program_id(0).to(tl.int64)
+    n_vis = visible_pools(lens_ptr, row * lens_stride, n_cols)
+    out_row = out_ptr + row * out_stride
+    if n_vis > select_k:
+        base = surv_ptr + row * n_surv
+        cnt = tl.load(count_ptr + row)
+        lo = tl.full((), 9223372036854775807, tl.int64)
+        top = tl.full((), NO_KEY, tl.int64)
+        for start in range(0, cnt, BLOCK):
+            i = start + tl.arange(0, BLOCK)
+            key = tl.load(base + i, mask=i < cnt, other=NO_KEY)
+            lo = tl.minimum(lo, tl.min(tl.where(i < cnt, key, 9223372036854775807)))
+            top = tl.maximum(top, tl.max(key))
+        kth = lo.to(tl.uint64, bitcast=True) + _radix_threshold(base, cnt, lo, top, select_k, BLOCK)
+        _compact(base, cnt, kth.to(tl.int64, bitcast=True), BLOCK)  # exactly select_k keys left in front
         c = tl.arange(0, KB)
-        keys = tl.load(cand_ptr + (row * n_in + lst[:, None]) * KB + c[None, :], mask=(lst < n_in)[:, None],
-                       other=NO_KEY)
-        top = best_of_lists(keys, LOG_G, KB)
-        if FINAL:
-            emit_selection(out_ptr + row * out_stride, top, n_vis, select_k, KB)
-        else:
-            tl.store(next_ptr + (row * n_out + grp) * KB + c, top)
-    elif FINAL:
-        emit_in_order(out_ptr + row * out_stride, n_vis, select_k, KB)
+        keys = tl.load(base + c, mask=c < select_k, other=NO_KEY)
+        emit_selection(out_row, tl.sort(keys, descending=True), n_vis, select_k, KB)
+    else:
+        emit_in_order(out_row, n_vis, select_k, KB)
 
 
 def key_block(select_k: int) -> int:
@@ -189,12 +264,13 @@ def plan_leaves(rows: int, n_cols: int, select_k: int, device, granule: int = 1)
 
 
 def select_tree(out, lens, n_cols, select_k, launch_leaves, granule: int = 1) -> None:
-    """Each row's selection into ``out [rows, select_k]`` int32: leaves, then merges.
+    """Each row's selection into ``out [rows, select_k]`` int32: leaves, then (several leaves
+    per row) ``threshold_select``.
 
     ``launch_leaves(cand, CHUNK, n_chunks, KB, FINAL)`` launches the leaf kernel on the grid
     ``(rows, n_chunks)``; with ``FINAL`` (one leaf per row) ``cand`` is ``out`` and the
-    leaves write the ids, else ``cand [rows, n_chunks, KB]`` int64 receives their key lists
-    for ``merge_lists``. ``lens [rows]`` visible pools, clamped to ``n_cols``.
+    leaves write the ids, else ``cand [rows, n_chunks, KB]`` int64 receives their key lists.
+    ``lens [rows]`` visible pools, clamped to ``n_cols``.
     """
     rows = out.shape[0]
     kb = key_block(select_k)
@@ -203,25 +279,24 @@ def select_tree(out, lens, n_cols, select_k, launch_leaves, granule: int = 1) ->
     cand = out if final else torch.empty((rows, n_chunks, kb), dtype=torch.int64, device=out.device)
     launch_leaves(cand, chunk, n_chunks, kb, final)
     if not final:
-        merge_lists(cand, lens, n_cols, select_k, out)
+        threshold_select(cand, chunk, lens, n_cols, select_k, out)
 
 
-def merge_lists(cand, lens, n_cols, select_k, out) -> None:
-    """Reduce ``cand [rows, n_lists, KB]`` (sorted int64 key lists, ``n_lists >= 2``) to each
-    row's selection in ``out [rows, select_k]`` int32, ``MERGE_FANIN`` lists per program."""
-    rows, n_in, kb = cand.shape
-    while True:
-        g = min(MERGE_FANIN, triton.next_power_of_2(n_in))
-        n_out = triton.cdiv(n_in, g)
-        final = n_out == 1
-        nxt = cand if final else torch.empty((rows, n_out, kb), dtype=torch.int64, device=cand.device)
-        _merge_topk_kernel[(rows, n_out)](
-            cand, n_in, lens, lens.stride(0), n_cols, nxt, n_out, out, out.stride(0), select_k,
-            LOG_G=g.bit_length() - 1, KB=kb, FINAL=final, num_warps=MERGE_WARPS,
-        )
-        if final:
-            return
-        cand, n_in = nxt, n_out
+def threshold_select(cand, chunk, lens, n_cols, select_k, out) -> None:
+    """``cand [rows, n_lists, KB]`` (descending int64 key lists of leaves of ``chunk`` pools,
+    ``n_lists >= 2``) -> each row's selection in ``out [rows, select_k]`` int32."""
+    rows, n_lists, kb = cand.shape
+    kw = min(chunk, kb)
+    lg = max(1, SURVIVOR_KEYS // kw)
+    surv = torch.empty((rows, n_lists * kw), dtype=torch.int64, device=cand.device)
+    count = torch.zeros((rows,), dtype=torch.int32, device=cand.device)
+    lb = triton.next_power_of_2(n_lists)
+    _survivors_kernel[(rows, triton.cdiv(n_lists, lg))](
+        cand, n_lists, chunk, lens, lens.stride(0), n_cols, surv, count, select_k, KB=kb, KW=kw, LG=lg, LB=lb)
+    _threshold_select_kernel[(rows,)](
+        surv, n_lists * kw, count, lens, lens.stride(0), n_cols, out, out.stride(0), select_k,
+        KB=kb, BLOCK=SELECT_BLOCK, num_warps=SELECT_WARPS,
+    )
 
 
 def select_pools(logits, pool_lens, select_k):
