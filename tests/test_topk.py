@@ -50,17 +50,34 @@ def test_random_rows_with_many_ties(backend, device, select_k):
     check(logits, pool_lens, select_k, device)
 
 
+@pytest.mark.parametrize("block", [64, 2048])
 @pytest.mark.parametrize("select_k", [3, 16, 100])
-def test_merge_tree_levels(backend, device, select_k, monkeypatch):
-    """Small leaves: rows of 2-20 leaves, so one or two merge levels (fan-in 8)."""
+def test_threshold_selection(backend, device, select_k, block, monkeypatch):
+    """Rows of several small leaves (``threshold_select``): the survivor bound from wholly
+    visible leaves and its loose fallbacks (no full leaf, every score tied), radix passes over
+    one or many blocks (``block`` keys per step) and across the whole 64-bit key range (NaN,
+    -inf and +inf next to tiny scores)."""
     monkeypatch.setattr(topk, "MIN_CHUNK", 32)
+    monkeypatch.setattr(topk, "SELECT_BLOCK", block)
+    monkeypatch.setattr(topk, "SURVIVOR_KEYS", block)
     g = torch.Generator().manual_seed(100 + select_k)
     leaf = max(32, topk.key_block(select_k))
     n = 20 * leaf
-    logits = torch.randint(-20, 20, (4, n), generator=g).float()  # ties across leaves
+    logits = torch.randint(-20, 20, (7, n), generator=g).float()  # ties across leaves
     logits[1] = torch.randn(n, generator=g)
+    logits[2] = 0.0  # one score everywhere: the ids decide
     logits[3, n // 2:] = float("nan")
-    pool_lens = torch.tensor([n, n - 7, 2 * leaf + 1, select_k + 1])
+    logits[4] = torch.randn(n, generator=g) * 1e-30
+    logits[4, ::5] = float("inf")
+    logits[4, 1::7] = float("-inf")
+    logits[4, 2::11] = float("nan")
+    logits[5] = -torch.rand(n, generator=g)
+    # tight bound: each leaf of 32 holds exactly cdiv(select_k, n_leaves) high scores
+    j = torch.arange(n)
+    high = (j % 32) < -(-select_k // (n // 32))
+    logits[6] = torch.where(high, 1.0 + j.float() * ((-1) ** (j // 32)), -1.0)
+    pool_lens = torch.tensor([n, n - 7, n, n, n, 2 * leaf + 1, n, select_k + 1])
+    logits = torch.cat([logits, logits[:1]])
     check(logits, pool_lens, select_k, device)
 
 
