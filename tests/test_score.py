@@ -4,7 +4,7 @@ Must equal ``select_pools(paged_pool_logits(...))`` bit for bit on every backend
 plain-torch composition of the reference: checked with verify rows of different lengths,
 padding rows, rows at or under ``select_k`` pools, tied scores across chunks (duplicate
 keys: ties to the lower id), bad pages (NaN, ranked last), both layouts and formats,
-H in {16, 32, 64}, leaves small enough for two merge levels, and validation.
+H in {16, 32, 64}, leaves small enough for 10-12 per row (threshold selection), and validation.
 """
 
 import pytest
@@ -55,7 +55,7 @@ def test_matches_logits_then_select(backend, device, heads, fp8_dtype):
 
 
 def test_merge_levels_ties_and_bad_page(backend, device, monkeypatch):
-    """Leaves of 64 pools (one tile): 10-12 leaves per row, two merge levels; duplicated pages
+    """Leaves of 64 pools (one tile): 10-12 leaves per row (threshold selection); duplicated pages
     tie across leaves; a bad page scores NaN and ranks after every other pool."""
     monkeypatch.setattr(topk, "MIN_CHUNK", 32)
     run_case(device, batch=2, next_n=1, heads=16, page=64, pages_per=12, lens=[768, 700],

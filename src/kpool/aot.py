@@ -292,11 +292,11 @@ def _kb_axis():
 def _leaf_axis(granule=1, key="CHUNK"):
     """(KB, leaf size under ``key``) at the ends of ``topk.plan_leaves``' range: the smallest
     leaf (``max(MIN_CHUNK, granule)``, below KB: the sort-and-pad path) and the largest
-    (``max(KB, LEAF_BASE, granule) * MAX_CHUNK_FACTOR``: the top-k path)."""
+    (``max(KB, LEAF_BASE, granule)``: the top-k path)."""
     from .ops import topk
     out = []
     for kb in _KBS:
-        for chunk in (max(topk.MIN_CHUNK, granule), max(kb, topk.LEAF_BASE, granule) * topk.MAX_CHUNK_FACTOR):
+        for chunk in (max(topk.MIN_CHUNK, granule), max(kb, topk.LEAF_BASE, granule)):
             out.append({"KB": kb, key: chunk})
     return out
 

@@ -121,5 +121,5 @@ def paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, *
             **launch_options(device),
         )
 
-    topk.select_tree(out, lens, limit, select_k, launch_leaves, BLOCK_POOLS)
+    topk.select_by_leaves(out, lens, limit, select_k, launch_leaves, BLOCK_POOLS)
     return out
