@@ -331,6 +331,7 @@ def _score_specs(m):
                   cand_ptr="i64", out_ptr="i32", lut_ptr="i32"),
         cross=(layout_axis(), fp8_axis("FNUZ"), axis("H", SUPPORTED_HEADS)),
         cycle=(_leaf_axis(m.BLOCK_POOLS, "_chunk"), flag("FINAL"), _PAGE, axis("next_n", (1, "i32")),
+               axis("ROWS", (1, m.MAX_ROWS)),
                int_ptr_axis("lens_ptr", "pt_ptr")),
         derive=lambda c: dict(NT=c["_chunk"] // m.BLOCK_POOLS),
         fixed=dict(BN=m.BLOCK_POOLS), target_derive=native_fp8_param,

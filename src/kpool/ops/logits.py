@@ -95,29 +95,35 @@ def _head_tree(t, BN: tl.constexpr, H: tl.constexpr):
 
 
 @triton.jit
-def query_limbs(q_ptrs, lut_ptr, FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
-    """Query codes ``q_ptrs [128, H]`` (dim-major) -> int8 limbs ``(q0, q1, q2)`` ``[128, H]``
-    and a per-head NaN flag ``[H]``."""
-    q0, q1, q2, qn = _jit_fp8.fp8_limbs(tl.load(q_ptrs), lut_ptr, FNUZ, NATIVE_FP8)
+def query_limbs(q_ptrs, mask, lut_ptr, FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
+    """Query codes ``q_ptrs [128, N]`` (dim-major; N = heads of one or more query rows, code 0
+    where not ``mask``) -> int8 limbs ``(q0, q1, q2)`` ``[128, N]`` and a NaN flag ``[N]``."""
+    if mask is None:
+        codes = tl.load(q_ptrs)
+    else:
+        codes = tl.load(q_ptrs, mask=mask, other=0)
+    q0, q1, q2, qn = _jit_fp8.fp8_limbs(codes, lut_ptr, FNUZ, NATIVE_FP8)
     return q0, q1, q2, tl.max(qn.to(tl.int32), axis=0)
 
 
 @triton.jit
 def block_logits(q0, q1, q2, q_nan, w, codes, kscale, lut_ptr, BN: tl.constexpr, H: tl.constexpr,
-                 FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
-    """Pooled logits of ``BN`` pools for one query row -> fp32 ``[BN]`` (module docstring).
+                 R: tl.constexpr, FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
+    """Pooled logits of ``BN`` pools for ``R`` query rows -> fp32 ``[BN, R]`` (module docstring).
 
-    ``q0..q2``, ``q_nan``: ``query_limbs``; ``w [H]`` head weights; ``codes [BN, 128]`` uint8
-    key codes; ``kscale [BN]`` fp32; ``lut_ptr``, ``FNUZ``, ``NATIVE_FP8``: the decoder
-    (``_jit_fp8.fp8_limbs``). The pools are the MMA's rows (M = BN) and the heads its
-    columns, so the query limbs are the loop-invariant operand.
+    ``q0..q2``, ``q_nan``: ``query_limbs`` of the rows side by side (``[128, R * H]``, row-major
+    over (row, head)); ``w [R * H]`` head weights; ``codes [BN, 128]`` uint8 key codes;
+    ``kscale [BN]`` fp32; ``lut_ptr``, ``FNUZ``, ``NATIVE_FP8``: the decoder
+    (``_jit_fp8.fp8_limbs``). The pools are the MMA's rows (M = BN) and the rows' heads its
+    columns, so the key tile is decoded once for all ``R`` rows and the query limbs are the
+    loop-invariant operand.
     """
     k0, k1, k2, kn = _jit_fp8.fp8_limbs(codes, lut_ptr, FNUZ, NATIVE_FP8)  # [BN, 128]
-    dot = _jit_fp8.scale_dot(_int_dot(k0, k1, k2, q0, q1, q2), FNUZ)  # [BN, H], one rounding
+    dot = _jit_fp8.scale_dot(_int_dot(k0, k1, k2, q0, q1, q2), FNUZ)  # [BN, R * H], one rounding
     nan = (tl.max(kn.to(tl.int32), axis=1)[:, None] + q_nan[None, :]) > 0
     s = tl.where(nan, float("nan"), dot) * kscale[:, None]
     r = tl.where(s < 0, 0.0, s)
-    return _head_tree(r * w[None, :], BN, H)
+    return tl.reshape(_head_tree(tl.reshape(r * w[None, :], (BN * R, H)), BN * R, H), (BN, R))
 
 
 @triton.jit
@@ -138,12 +144,13 @@ def paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_row_ptr, pt_sp, j,
 
 
 @triton.jit
-def paged_tile_logits(q0, q1, q2, q_nan, w, codes, kscale, ok, j, n_vis, lut_ptr, BN: tl.constexpr,
-                      H: tl.constexpr, FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
-    """``block_logits`` of a ``paged_tile``: ``-inf`` for ``j >= n_vis``, NaN for a visible pool
-    on a page outside the cache."""
-    acc = block_logits(q0, q1, q2, q_nan, w, codes, kscale, lut_ptr, BN, H, FNUZ, NATIVE_FP8)
-    return tl.where(j < n_vis, tl.where(ok, acc, float("nan")), float("-inf"))
+def paged_tile_logits(q0, q1, q2, q_nan, w, codes, kscale, ok, seen, lut_ptr, BN: tl.constexpr,
+                      H: tl.constexpr, R: tl.constexpr, FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
+    """``block_logits`` of a ``paged_tile`` for ``R`` rows -> ``[BN, R]``: ``-inf`` where not
+    ``seen [BN, R]`` (pool past the row's visible count), NaN for a seen pool on a page
+    outside the cache."""
+    acc = block_logits(q0, q1, q2, q_nan, w, codes, kscale, lut_ptr, BN, H, R, FNUZ, NATIVE_FP8)
+    return tl.where(seen, tl.where(ok[:, None], acc, float("nan")), float("-inf"))
 
 
 @triton.jit
@@ -163,11 +170,12 @@ def _paged_logits_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_
     if blk * BN < n_vis:
         hh = tl.arange(0, H)
         q0, q1, q2, q_nan = query_limbs(q_ptr + b * q_sb + t * q_sn + hh[None, :] * q_sh
-                                        + tl.arange(0, 128)[:, None], lut_ptr, FNUZ, NATIVE_FP8)
+                                        + tl.arange(0, 128)[:, None], None, lut_ptr, FNUZ, NATIVE_FP8)
         codes, kscale, ok = paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_ptr + b * pt_sb, pt_sp,
                                        j, n_vis, PAGE, PRESHUFFLE)
-        out = paged_tile_logits(q0, q1, q2, q_nan, tl.load(w_ptr + b * w_sb + t * w_sn + hh * w_sh),
-                                codes, kscale, ok, j, n_vis, lut_ptr, BN, H, FNUZ, NATIVE_FP8)
+        w = tl.load(w_ptr + b * w_sb + t * w_sn + hh * w_sh)
+        out = tl.reshape(paged_tile_logits(q0, q1, q2, q_nan, w, codes, kscale, ok, (j < n_vis)[:, None], lut_ptr,
+                                           BN, H, 1, FNUZ, NATIVE_FP8), (BN,))
     tl.store(out_ptr + row * out_stride + j, out, mask=j < max_pools)
 
 
@@ -186,7 +194,7 @@ def _ragged_logits_kernel(q_ptr, q_st, q_sh, w_ptr, w_st, w_sh, k_ptr, k_sn, ksc
     out_row = out_ptr + t * out_stride
     if (start < hi) & (start + NT * BN > lo):
         hh = tl.arange(0, H)
-        q0, q1, q2, q_nan = query_limbs(q_ptr + t * q_st + hh[None, :] * q_sh + d[:, None], lut_ptr, FNUZ,
+        q0, q1, q2, q_nan = query_limbs(q_ptr + t * q_st + hh[None, :] * q_sh + d[:, None], None, lut_ptr, FNUZ,
                                         NATIVE_FP8)
         w = tl.load(w_ptr + t * w_st + hh * w_sh)
         for i in range(NT):
@@ -196,7 +204,8 @@ def _ragged_logits_kernel(q_ptr, q_st, q_sh, w_ptr, w_st, w_sh, k_ptr, k_sn, ksc
             if (start + i * BN < hi) & (start + i * BN + BN > lo):
                 kscale = tl.load(ksc_ptr + j * ksc_sn, mask=vis, other=0.0)
                 codes = tl.load(k_ptr + j[:, None] * k_sn + d[None, :], mask=vis[:, None], other=0)
-                acc = block_logits(q0, q1, q2, q_nan, w, codes, kscale, lut_ptr, BN, H, FNUZ, NATIVE_FP8)
+                acc = tl.reshape(block_logits(q0, q1, q2, q_nan, w, codes, kscale, lut_ptr, BN, H, 1, FNUZ,
+                                              NATIVE_FP8), (BN,))
             tl.store(out_row + j, tl.where(vis, acc, float("-inf")), mask=j < n_keys)
     else:
         for i in range(NT):

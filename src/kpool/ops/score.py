@@ -1,12 +1,14 @@
 """Fused decode / speculative-verify scoring + selection: ``paged_pool_topk``.
 
 The pooled logits of ``ops/logits.py`` and the selection of ``ops/topk.py`` in one pass
-over the paged cache, without a logits row in memory: one program per (query row, leaf of
-``CHUNK`` pools, ``topk.plan_leaves``) scores its leaf tile by tile (``paged_tile_logits``,
-``BLOCK_POOLS`` pools per tile, the next tile's entries loaded while one is scored, the
-query's int8 limbs built once per program), keeps the ranking keys on chip and reduces them
-to the leaf's ``KB`` best (``topk.store_leaf``); the leaf lists are then reduced per row
-(``topk.threshold_select``). A row that sees at most ``select_k`` pools scores nothing. Same
+over the paged cache, without a logits row in memory: one program per (``ROWS`` query rows
+of one request, leaf of ``CHUNK`` pools, ``topk.plan_leaves``) scores its leaf tile by tile
+(``paged_tile_logits``, ``BLOCK_POOLS`` pools per tile, the next tile's entries loaded while
+one is scored, the rows' int8 query limbs built once per program). Each key tile is decoded
+once for the program's rows (verify steps and prefill chunks have several rows per request;
+``query_rows``), then each row keeps its ranking keys on chip and reduces them to the
+leaf's ``KB`` best (``topk.store_leaf``); rows with several leaves finish in
+``topk.threshold_select``. A row that sees at most ``select_k`` pools scores nothing. Same
 bytes as ``select_pools(paged_pool_logits(...))`` on every backend.
 """
 
@@ -26,6 +28,8 @@ from .logits import check_paged_args, decode_args, paged_tile, paged_tile_logits
 BLOCK_POOLS = 64  # pools per scoring tile: the MMA's M (one wgmma warpgroup on Hopper)
 NUM_WARPS = 4
 MAX_REGS = 168  # CUDA register cap: 3 programs per SM instead of 2 (H200: 32 x 128K -10%, 128 x 1M -11%)
+MAX_ROWS = 2  # query rows of one request per program (H200, verify 32 x 128K x 4 / prefill 8192 x 32K:
+#               1 row 1,092 us / 69.2 ms, 2 rows 866 / 54.9; 4 rows 1,225 / 69.0, 960 / 57.6 uncapped: spills)
 
 
 @triton.jit
@@ -33,40 +37,64 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
                        pt_ptr, pt_sb, pt_sp, kv_ptr, kv_f32_ptr, page_stride, num_pages,
                        cand_ptr, out_ptr, out_stride, vis_limit, next_n, select_k, n_chunks, lut_ptr,
                        PAGE: tl.constexpr, BN: tl.constexpr, NT: tl.constexpr, KB: tl.constexpr, H: tl.constexpr,
-                       PRESHUFFLE: tl.constexpr, FINAL: tl.constexpr, FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
-    # Program (row = b * next_n + t, chunk): the KB best ranking keys of pools
-    # [chunk * NT * BN, (chunk + 1) * NT * BN) of that row, scored NT tiles of BN pools.
-    row = tl.program_id(0).to(tl.int64)
+                       ROWS: tl.constexpr, PRESHUFFLE: tl.constexpr, FINAL: tl.constexpr, FNUZ: tl.constexpr,
+                       NATIVE_FP8: tl.constexpr):
+    # Program (group, chunk): rows b * next_n + t for t in [t0, t0 + ROWS) of one request b
+    # (same page table), pools [chunk * NT * BN, (chunk + 1) * NT * BN): each key tile is
+    # decoded once and scored for all ROWS rows; each row keeps its KB best ranking keys.
+    groups = tl.cdiv(next_n, ROWS)
+    b = (tl.program_id(0) // groups).to(tl.int64)
+    t0 = (tl.program_id(0) % groups).to(tl.int64) * ROWS
     chunk = tl.program_id(1).to(tl.int64)
-    b = row // next_n
-    t = row % next_n
-    n_vis = topk.visible_pools(lens_ptr, row * lens_stride, vis_limit)
-    if n_vis > select_k:
-        hh = tl.arange(0, H)
-        q0, q1, q2, q_nan = query_limbs(q_ptr + b * q_sb + t * q_sn + hh[None, :] * q_sh
-                                        + tl.arange(0, 128)[:, None], lut_ptr, FNUZ, NATIVE_FP8)
-        w = tl.load(w_ptr + b * w_sb + t * w_sn + hh * w_sh)
+    rr = tl.arange(0, ROWS)
+    live = t0 + rr < next_n
+    rows = b * next_n + t0 + rr  # [ROWS]
+    n_vis = tl.minimum(tl.maximum(tl.load(lens_ptr + rows * lens_stride, mask=live, other=0).to(tl.int64), 0),
+                       vis_limit)  # [ROWS], topk.visible_pools of each row
+    n_max = tl.max(n_vis)
+    if n_max > select_k:
+        c = tl.arange(0, ROWS * H)  # (row, head) columns
+        q_rows = q_ptr + b * q_sb + (t0 + c // H) * q_sn + (c % H) * q_sh
+        q_live = t0 + c // H < next_n
+        q0, q1, q2, q_nan = query_limbs(q_rows[None, :] + tl.arange(0, 128)[:, None], q_live[None, :], lut_ptr,
+                                        FNUZ, NATIVE_FP8)
+        w = tl.load(w_ptr + b * w_sb + (t0 + c // H) * w_sn + (c % H) * w_sh, mask=q_live, other=0.0)
         tiles = tl.arange(0, NT)
-        keys = tl.full((NT, BN), topk.NO_KEY, tl.int64)  # [NT, BN], INT64_MIN = not seen
+        keys = tl.full((NT, BN, ROWS), topk.NO_KEY, tl.int64)  # INT64_MIN = not seen
         pt_row = pt_ptr + b * pt_sb
         j = chunk * NT * BN + tl.arange(0, BN)
-        n_leaf = tl.minimum(n_vis, (chunk + 1) * NT * BN)  # the leaf's last visible pool + 1
+        n_leaf = tl.minimum(n_max, (chunk + 1) * NT * BN)  # the leaf's last pool any row sees + 1
         codes, kscale, ok = paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_row, pt_sp, j, n_leaf,
                                        PAGE, PRESHUFFLE)
         for i in range(NT):
             # tile i + 1's entries are loaded before tile i is scored
             nxt = paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_row, pt_sp, j + BN, n_leaf,
                              PAGE, PRESHUFFLE)
-            if (chunk * NT + i) * BN < n_vis:
-                x = paged_tile_logits(q0, q1, q2, q_nan, w, codes, kscale, ok, j, n_vis, lut_ptr, BN, H, FNUZ,
+            if (chunk * NT + i) * BN < n_max:
+                seen = j[:, None] < n_vis[None, :]  # [BN, ROWS]
+                x = paged_tile_logits(q0, q1, q2, q_nan, w, codes, kscale, ok, seen, lut_ptr, BN, H, ROWS, FNUZ,
                                       NATIVE_FP8)
-                keys = tl.where(tiles[:, None] == i, topk.pool_keys(x, j, j < n_vis)[None, :], keys)
+                keys = tl.where(tiles[:, None, None] == i, topk.pool_keys(x, j[:, None], seen)[None, :, :], keys)
             codes, kscale, ok = nxt
             j += BN
-        topk.store_leaf(tl.reshape(keys, (NT * BN,)), cand_ptr + (row * n_chunks + chunk) * KB,
-                        out_ptr + row * out_stride, n_vis, select_k, NT * BN, KB, FINAL)
+        for r in tl.static_range(ROWS):
+            if t0 + r < next_n:
+                mine = tl.max(tl.where(rr[None, None, :] == r, keys, topk.NO_KEY), axis=2)  # [NT, BN]
+                row = b * next_n + t0 + r
+                topk.store_leaf(tl.reshape(mine, (NT * BN,)), cand_ptr + (row * n_chunks + chunk) * KB,
+                                out_ptr + row * out_stride, tl.max(tl.where(rr == r, n_vis, 0)), select_k,
+                                NT * BN, KB, FINAL)
     elif FINAL:
-        topk.emit_in_order(out_ptr + row * out_stride, n_vis, select_k, KB)
+        for r in tl.static_range(ROWS):
+            if t0 + r < next_n:
+                topk.emit_in_order(out_ptr + (b * next_n + t0 + r) * out_stride,
+                                   tl.max(tl.where(rr == r, n_vis, 0)), select_k, KB)
+
+
+def query_rows(next_n: int) -> int:
+    """``ROWS``: query rows of one request scored together by a program (powers of two up to
+    ``MAX_ROWS``, never more than the step has)."""
+    return min(MAX_ROWS, triton.next_power_of_2(next_n))
 
 
 def launch_options(device) -> dict:
@@ -109,14 +137,15 @@ def paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, *
     if rows == 0:
         return out
     q8 = q_fp8.view(torch.uint8)
+    rows_per_prog = query_rows(next_n)
 
     def launch_leaves(cand, chunk, n_chunks, kb, final):
-        _paged_topk_kernel[(rows, n_chunks)](
+        _paged_topk_kernel[(batch * triton.cdiv(next_n, rows_per_prog), n_chunks)](
             q8, q8.stride(0), q8.stride(1), q8.stride(2), weights, weights.stride(0), weights.stride(1),
             weights.stride(2), lens, lens.stride(0), page_table, page_table.stride(0), page_table.stride(1),
             kv_cache, kv_cache.view(torch.float32), kv_cache.stride(0), kv_cache.shape[0],
             cand, out, out.stride(0), limit, next_n, select_k, n_chunks, limb_table(fp8_dtype, device),
-            PAGE=kv_cache.shape[1], BN=BLOCK_POOLS, NT=chunk // BLOCK_POOLS, KB=kb, H=heads,
+            PAGE=kv_cache.shape[1], BN=BLOCK_POOLS, NT=chunk // BLOCK_POOLS, KB=kb, H=heads, ROWS=rows_per_prog,
             PRESHUFFLE=layout == "preshuffle", FINAL=final, **decode_args(fp8_dtype, device),
             **launch_options(device),
         )
