@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kpool import reference
-from kpool.ops import topk
+from kpool.ops import score, topk
 from kpool.ops.logits import paged_pool_logits
 from kpool.ops.score import paged_pool_topk
 from kpool.ops.topk import select_pools
@@ -54,7 +54,7 @@ def test_matches_logits_then_select(backend, device, heads, fp8_dtype):
     assert got[2].tolist() == [-1] * 40 and got[5].tolist() == list(range(40))
 
 
-def test_merge_levels_ties_and_bad_page(backend, device, monkeypatch):
+def test_leaves_ties_and_bad_page(backend, device, monkeypatch):
     """Leaves of 64 pools (one tile): 10-12 leaves per row (threshold selection); duplicated pages
     tie across leaves; a bad page scores NaN and ranks after every other pool."""
     monkeypatch.setattr(topk, "MIN_CHUNK", 32)
@@ -64,6 +64,19 @@ def test_merge_levels_ties_and_bad_page(backend, device, monkeypatch):
                              lens=[740, 741, 127, 768], select_k=700, fp8_dtype=torch.float8_e4m3fn, seed=6,
                              bad_page=True)
     assert torch.isnan(logits_nan[0, 64:128]).all()
+
+
+@pytest.mark.parametrize("max_rows", [2, 4])
+def test_rows_per_program(backend, device, max_rows, monkeypatch):
+    """Verify steps of 5 rows scored ``max_rows`` at a time (the last program partly past the
+    step): rows of one program see different pool counts, out of order, at or under
+    ``select_k`` next to long rows, none; one leaf per row (ids written by the leaf) and
+    several (threshold selection)."""
+    monkeypatch.setattr(score, "MAX_ROWS", max_rows)
+    run_case(device, batch=2, next_n=5, heads=32, page=64, pages_per=8,
+             lens=[300, 17, 0, 450, 16, 449, 448, 5, 120, 64], select_k=16, fp8_dtype=torch.float8_e4m3fn, seed=11)
+    run_case(device, batch=2, next_n=5, heads=16, page=64, pages_per=2,
+             lens=[100, 17, 128, 0, 16, 127, 3, 90, 91, 40], select_k=16, fp8_dtype=torch.float8_e4m3fnuz, seed=12)
 
 
 @pytest.mark.parametrize("layout", ["plain", "preshuffle"])
