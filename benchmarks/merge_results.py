@@ -1,0 +1,49 @@
+#!/usr/bin/env python
+"""Replace one op family's records in a full results JSON by those of a later partial run.
+
+``python benchmarks/merge_results.py FULL.json PARTIAL.json --ops score [--out FULL.json]``
+
+For runs that re-measure only the ops whose kernels changed. The merged file keeps the full
+run's ``meta`` and copy bandwidth and records the partial run's meta under
+``meta["merged"]`` (ops, commit, date, copy bandwidth), so the README table can say which
+records come from which commit.
+"""
+
+import argparse
+import json
+import sys
+
+
+def merge(full: dict, part: dict, ops: set) -> dict:
+    missing = ops - {r["op"] for r in part["results"]}
+    if missing:
+        raise SystemExit(f"the partial run has no records of {sorted(missing)}")
+    out = dict(full)
+    out["results"] = [r for r in full["results"] if r["op"] not in ops] + [r for r in part["results"] if r["op"] in ops]
+    meta = dict(full["meta"])
+    meta["merged"] = meta.get("merged", []) + [{
+        "ops": sorted(ops), "commit": part["meta"]["git"]["commit"], "date_utc": part["meta"]["date_utc"],
+        "copy_gbps": part["copy_bandwidth"]["gbps"], "command": part["meta"]["command"]}]
+    out["meta"] = meta
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("full")
+    p.add_argument("partial")
+    p.add_argument("--ops", required=True, help="comma-separated op families to take from the partial run")
+    p.add_argument("--out", default=None, help="default: overwrite FULL")
+    a = p.parse_args(argv)
+    with open(a.full) as f:
+        full = json.load(f)
+    with open(a.partial) as f:
+        part = json.load(f)
+    merged = merge(full, part, {o.strip() for o in a.ops.split(",") if o.strip()})
+    with open(a.out or a.full, "w") as f:
+        json.dump(merged, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
