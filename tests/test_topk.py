@@ -42,7 +42,7 @@ def check(logits, pool_lens, select_k, device):
 @pytest.mark.parametrize("select_k", [1, 7, 40])
 def test_random_rows_with_many_ties(backend, device, select_k):
     g = torch.Generator().manual_seed(select_k)
-    n = 2 * LEAF_BASE + 300  # several leaves and merges
+    n = 2 * LEAF_BASE + 300  # several leaves: threshold selection
     logits = torch.randint(-6, 6, (6, n), generator=g).float() * 0.25  # many exact ties
     logits[1] = torch.randn(n, generator=g)  # no ties
     logits[2, ::3] = float("-inf")
