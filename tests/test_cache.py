@@ -699,6 +699,18 @@ def test_capacity_and_misuse(backend):
     assert c.length("A") == 133 and len(h.pages["A"]) == 3
 
 
+@pytest.mark.parametrize("name, value", [("pool_size", True), ("pool_size", 0), ("page_size", True),
+                                         ("num_pages", 2.0), ("max_requests", 0), ("max_spec_tokens", -1),
+                                         ("max_spec_tokens", True)])
+def test_constructor_arguments(name, value):
+    """Sizes must be ints (a bool is not one): the error names the argument."""
+    kwargs = dict(num_pages=2, page_size=16, pool_size=4, max_requests=1, max_spec_tokens=0,
+                  ape=torch.zeros(4, 128), device="cpu")
+    kwargs[name] = value
+    with pytest.raises(ValueError, match=name):
+        KPoolCache(**kwargs)
+
+
 # --- 4. metadata formulas on a hand-computed example --------------------------------------
 
 def test_metadata_example(backend):

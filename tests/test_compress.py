@@ -389,6 +389,7 @@ CASES = {
                                                    layout="preshuffle"), "layout"),
     "pool_size vs slot_k": (lambda a, dev: a.update(pool_size=16), "slot_k"),
     "pool_size zero": (lambda a, dev: a.update(pool_size=0), "pool_size"),
+    "pool_size bool": (lambda a, dev: a.update(pool_size=True), "pool_size"),
     "head_dim": (lambda a, dev: a.update(head_dim=64), "head_dim"),
     "write_mask dtype": (lambda a, dev: a.update(write_mask=torch.ones(3, dtype=torch.int32, device=dev)),
                          "write_mask"),

@@ -54,8 +54,7 @@ def check_positive_int(name: str, value) -> None:
 
 
 def check_pool_size(pool_size: int) -> None:
-    if not isinstance(pool_size, int) or pool_size < 1:
-        raise ValueError(f"pool_size must be a positive int, got {pool_size!r}")
+    check_positive_int("pool_size", pool_size)
 
 
 def check_kv_cache(kv_cache, layout: str, device) -> None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import reference
-from ._checks import check_tensor
+from ._checks import check_positive_int, check_tensor
 from .layout import (ENTRY_BYTES, HEAD_DIM, read_entries, resolve_fp8_dtype, resolve_layout, ring_size)
 from .ops.compress import compress_token_pools
 from .ops.decode import kpool_decode_update_and_maybe_write_cache_batched
@@ -104,9 +104,8 @@ class KPoolCache:
             self.device = torch.device("cuda", torch.cuda.current_device())
         for name, value in (("num_pages", num_pages), ("page_size", page_size), ("pool_size", pool_size),
                             ("max_requests", max_requests)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if not isinstance(max_spec_tokens, int) or max_spec_tokens < 0:
+            check_positive_int(name, value)
+        if not isinstance(max_spec_tokens, int) or isinstance(max_spec_tokens, bool) or max_spec_tokens < 0:
             raise ValueError(f"max_spec_tokens must be a non-negative int, got {max_spec_tokens!r}")
         self.layout = resolve_layout(layout, self.device)
         if self.layout == "preshuffle" and page_size % 16:
