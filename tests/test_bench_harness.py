@@ -147,3 +147,25 @@ def test_gpu_slug():
     assert h.gpu_slug("NVIDIA H100 80GB HBM3") == "h100"
     assert h.gpu_slug("AMD Instinct MI300X") == "mi300x"
     assert h.gpu_slug(None) == "cpu"
+
+
+def test_merge_results_replaces_one_op_family(tmp_path):
+    """A partial run's records of the named ops replace the full run's; the rest and the full
+    run's meta stay; the README header names the partial run's commit and bandwidth."""
+    mr, rt = _load("merge_results"), _load("readme_table")
+    full = {"meta": {"git": {"commit": "aaaaaaa"}, "date_utc": "2026-11-30T10:00:00+00:00", "gpu": "G"},
+            "copy_bandwidth": {"gbps": 4000.0},
+            "results": [{"op": "score", "case": "old", "impl": "ours", "us": 9.0},
+                        {"op": "compress", "case": "keep", "impl": "ours", "us": 3.0}]}
+    part = {"meta": {"git": {"commit": "bbbbbbb"}, "date_utc": "2026-12-01T10:00:00+00:00", "command": ["x"]},
+            "copy_bandwidth": {"gbps": 4100.0},
+            "results": [{"op": "score", "case": "new", "impl": "ours", "us": 1.0},
+                        {"op": "compress", "case": "ignored", "impl": "ours", "us": 5.0}]}
+    out = mr.merge(full, part, {"score"})
+    assert [(r["op"], r["case"]) for r in out["results"]] == [("compress", "keep"), ("score", "new")]
+    assert out["meta"]["git"]["commit"] == "aaaaaaa" and out["copy_bandwidth"]["gbps"] == 4000.0
+    assert out["meta"]["merged"] == [{"ops": ["score"], "commit": "bbbbbbb", "date_utc": "2026-12-01T10:00:00+00:00",
+                                      "copy_gbps": 4100.0, "command": ["x"]}]
+    assert "commit `bbbbbbb` (2026-12-01), copy bandwidth 4100 GB/s." in rt.merged_note(out["meta"])
+    with pytest.raises(SystemExit, match="decode"):
+        mr.merge(full, part, {"decode"})
