@@ -304,8 +304,8 @@ class KPoolCache:
         ``select_k``), expanded to tokens plus the tail (``expand_pools_and_append_tail``).
         No index exceeds the row's position.
 
-        Memory: the scoring scratch (per-chunk candidate key lists, at most 8 bytes per row
-        and visible pool) is bounded by grouping rows so it stays under
+        Memory: the scoring scratch (per-chunk candidate key lists and survivors, at most 16
+        bytes per row and visible pool) is bounded by grouping rows so it stays under
         ``$KPOOL_LOGITS_BUDGET_MB`` MiB (default 256; one row at least). Rows that see at
         most ``select_k`` pools are not scored (their selection is every visible pool).
 
@@ -489,7 +489,9 @@ def logits_budget_bytes() -> int:
     return max(1, int(mib * (1 << 20)))
 
 
-SCRATCH_BYTES_PER_POOL = 8  # paged_pool_topk's candidate keys: 8 * KB bytes per leaf of >= KB pools
+# paged_pool_topk's scratch per row and pool: the leaves' key lists (8 * KB bytes per leaf of
+# >= KB pools) and as many bytes of survivors (topk.threshold_select)
+SCRATCH_BYTES_PER_POOL = 16
 
 
 def _plan_chunks(items, budget, pool_size):
