@@ -304,8 +304,9 @@ class KPoolCache:
         ``select_k``), expanded to tokens plus the tail (``expand_pools_and_append_tail``).
         No index exceeds the row's position.
 
-        Memory: the scoring scratch (per-chunk candidate key lists and survivors, at most 16
-        bytes per row and visible pool) is bounded by grouping rows so it stays under
+        Memory: the scoring scratch (per-chunk candidate key lists and survivors, 16 bytes per
+        row and visible pool; up to 40 in grids small enough to get leaves under 512 pools,
+        a few MiB) is bounded by grouping rows so it stays under
         ``$KPOOL_LOGITS_BUDGET_MB`` MiB (default 256; one row at least). Rows that see at
         most ``select_k`` pools are not scored (their selection is every visible pool).
 
