@@ -302,9 +302,8 @@ def _leaf_axis(granule=1, key="CHUNK"):
 
 
 def _survivor_axis(m):
-    """(KB, KW = min(leaf, KB), LG) of ``topk.threshold_select`` at both ends of the leaf range."""
-    return [{"KB": c["KB"], "KW": min(c["CHUNK"], c["KB"]), "LG": max(1, m.SURVIVOR_KEYS // min(c["CHUNK"], c["KB"]))}
-            for c in _leaf_axis()]
+    """(KB, KW, LG) of ``topk.threshold_select`` (``m.survivor_block``) at both ends of the leaf range."""
+    return [dict(zip(("KB", "KW", "LG"), (c["KB"], *m.survivor_block(c["CHUNK"], c["KB"])))) for c in _leaf_axis()]
 
 
 def _topk_specs(m):

@@ -22,6 +22,7 @@ import triton.language as tl
 UNIT_FN = 2.0 ** -9  # e4m3fn integer unit
 UNIT_FNUZ = 2.0 ** -10  # e4m3fnuz integer unit
 _UNIT2_FN, _UNIT2_FNUZ = tl.constexpr(UNIT_FN * UNIT_FN), tl.constexpr(UNIT_FNUZ * UNIT_FNUZ)
+_INV_UNIT_FN, _INV_UNIT_FNUZ = tl.constexpr(1.0 / UNIT_FN), tl.constexpr(1.0 / UNIT_FNUZ)  # powers of two: exact
 
 
 def fp8_unit(fnuz: bool) -> float:
@@ -56,10 +57,10 @@ def fp8_limbs(code, table_ptr, FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
     if NATIVE_FP8:
         if FNUZ:
             x = code.to(tl.float8e4b8, bitcast=True).to(tl.float32)
-            inv_unit: tl.constexpr = 1024.0  # 1 / UNIT_FNUZ
+            inv_unit: tl.constexpr = _INV_UNIT_FNUZ
         else:
             x = code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            inv_unit: tl.constexpr = 512.0  # 1 / UNIT_FN
+            inv_unit: tl.constexpr = _INV_UNIT_FN
         nan = x != x
         v = (tl.where(nan, 0.0, x) * inv_unit).to(tl.int32)
         return (v & 63).to(tl.int8), ((v >> 6) & 63).to(tl.int8), (v >> 12).to(tl.int8), nan

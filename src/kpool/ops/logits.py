@@ -29,10 +29,10 @@ interpreter and on every GPU; kernels are launched with ``enable_fp_fusion=False
 
 Performance: these two write a full logits row (paged: one program per (row, ``BLOCK_POOLS``
 pools); ragged: one per (query, ``RAGGED_TILES`` tiles of ``RAGGED_TILE`` pools), the query's
-limbs built once per program); the decode path of ``KPoolCache`` uses ``ops/score.py``'s fused ``paged_pool_topk`` instead,
-built from the same ``paged_tile`` / ``paged_tile_logits``. The exact formulation costs
-nine int8 MMAs per fp8 product and a decode per key code, so scoring is bound by the SM's
-instruction issue and latency, not by HBM (benchmarks/NOTES.md).
+limbs built once per program); the decode path of ``KPoolCache`` uses ``ops/score.py``'s
+fused ``paged_pool_topk`` instead, built from the same ``paged_tile`` / ``paged_tile_logits``.
+The exact formulation costs nine int8 MMAs per fp8 product and a decode per key code, so
+scoring is bound by the SM's instruction issue and latency, not by HBM (benchmarks/NOTES.md).
 """
 
 from __future__ import annotations

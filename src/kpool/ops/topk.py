@@ -282,12 +282,18 @@ def select_by_leaves(out, lens, n_cols, select_k, launch_leaves, granule: int = 
         threshold_select(cand, chunk, lens, n_cols, select_k, out)
 
 
+def survivor_block(chunk: int, kb: int) -> tuple:
+    """``(KW, LG)`` of ``_survivors_kernel``: entries a leaf list holds (``min(chunk, KB)``) and
+    lists per program (``SURVIVOR_KEYS`` keys, at least one list)."""
+    kw = min(chunk, kb)
+    return kw, max(1, SURVIVOR_KEYS // kw)
+
+
 def threshold_select(cand, chunk, lens, n_cols, select_k, out) -> None:
     """``cand [rows, n_lists, KB]`` (descending int64 key lists of leaves of ``chunk`` pools,
     ``n_lists >= 2``) -> each row's selection in ``out [rows, select_k]`` int32."""
     rows, n_lists, kb = cand.shape
-    kw = min(chunk, kb)
-    lg = max(1, SURVIVOR_KEYS // kw)
+    kw, lg = survivor_block(chunk, kb)
     surv = torch.empty((rows, n_lists * kw), dtype=torch.int64, device=cand.device)
     count = torch.zeros((rows,), dtype=torch.int32, device=cand.device)
     lb = triton.next_power_of_2(n_lists)
