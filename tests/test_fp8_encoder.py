@@ -28,8 +28,7 @@ import torch
 from _util import assert_bytes_equal, make_tail, random_bytes_like, view_tail
 from kpool import _backend, numerics, reference
 from kpool import kpool_compress_and_write_cache, kpool_decode_update_and_maybe_write_cache_batched
-from kpool.layout import fp8_max, read_entries, ring_size
-from kpool.layout import write_entries
+from kpool.layout import fp8_max, read_entries, ring_size, write_entries
 from kpool.ops import _jit
 from kpool.ops.logits import decode_args, paged_pool_logits, ragged_pool_logits
 from kpool.ops.quant import fwht128_quant_fp8
