@@ -5,6 +5,7 @@ large input sets: every bf16 bit pattern, 2^20 random fp32 bit patterns, and val
 and next to every rounding boundary. Comparisons are bit for bit.
 """
 
+import fractions
 import math
 
 import pytest
@@ -64,6 +65,15 @@ def _exp_kernel(x_ptr, o_ptr, n, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     tl.store(o_ptr + i, _jit.exp_exact(tl.load(x_ptr + i, mask=m, other=0.0)), mask=m)
+
+
+@triton.jit
+def _fma_kernel(a_ptr, b_ptr, c_ptr, o_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    a = tl.load(a_ptr + i, mask=m, other=0.0)
+    b = tl.load(b_ptr + i, mask=m, other=0.0)
+    tl.store(o_ptr + i, tl.fma(a, b, tl.load(c_ptr + i, mask=m, other=0.0)), mask=m)
 
 
 @triton.jit
@@ -182,10 +192,61 @@ def test_bf16_round_matches_torch(device):
 
 # --- (c) exp ------------------------------------------------------------------------------
 
+def _fma_cases():
+    """fp32 (a, b, c): random finite values over a wide exponent range, plus products that are
+    exact fp32 midpoints (``(1 + m*2^-23) * 1.5``, m odd) with addends far below the fp64
+    ulp, where rounding the fp64 sum to fp32 (double rounding) would be wrong."""
+    g = torch.Generator().manual_seed(11)
+    n = 1 << 16
+    def rand(scale):
+        return (torch.randn(n, generator=g) * torch.exp2(torch.randint(-scale, scale + 1, (n,), generator=g).to(F32)))
+    a, b, c = rand(20), rand(20), rand(40)
+    m = torch.arange(1, 4096, 2, dtype=torch.float64)
+    ma = ((1.0 + m * 2.0 ** -23)).to(F32)
+    tiny = torch.tensor([2.0 ** -100, -2.0 ** -100, 2.0 ** -60, -2.0 ** -60, 0.0], dtype=F32)
+    ma, tc = ma.repeat_interleave(len(tiny)), tiny.repeat(len(m))
+    a = torch.cat((a, ma, -ma, numerics.EXP2_POLY[0] * torch.ones(n)))
+    b = torch.cat((b, torch.full_like(ma, 1.5), torch.full_like(ma, 1.5), torch.rand(n, generator=g) - 0.5))
+    c = torch.cat((c, tc, tc, numerics.EXP2_POLY[1] * torch.ones(n)))
+    return a.to(F32), b.to(F32), c.to(F32)
+
+
+def _round_f32_exact(v: "fractions.Fraction") -> float:
+    """The fp32 nearest to the rational ``v`` (ties to even; normal or subnormal, no overflow)."""
+    if v == 0:
+        return 0.0
+    e = math.floor(math.log2(abs(v)))
+    while abs(v) >= fractions.Fraction(2) ** (e + 1):
+        e += 1
+    while abs(v) < fractions.Fraction(2) ** e:
+        e -= 1
+    ulp = fractions.Fraction(2) ** max(e - 23, -149)
+    return float(round(v / ulp) * ulp)  # round() of a Fraction is half-to-even
+
+
+def test_fma_rounds_once(device):
+    a, b, c = _fma_cases()
+    want = numerics.fma(a, b, c)
+    # against exact rational arithmetic (a sample and every constructed midpoint case)
+    idx = torch.cat((torch.arange(0, a.numel(), 97), torch.arange(1 << 16, a.numel() - (1 << 16))))
+    for i in idx.tolist():
+        exact = (fractions.Fraction(a[i].item()) * fractions.Fraction(b[i].item()) + fractions.Fraction(c[i].item()))
+        assert want[i].item() == _round_f32_exact(exact), (a[i].item(), b[i].item(), c[i].item())
+    # the constructed cases do exercise the correction: plain fp64 rounding gets some wrong
+    naive = (a.double() * b.double() + c.double()).to(F32)
+    assert (naive != want).sum() >= 2048
+    # and the kernels' tl.fma (native on a GPU, the interpreter's fma) gives the same bits
+    dev = [t.to(device) for t in (a, b, c)]
+    got = torch.empty_like(dev[0])
+    n = a.numel()
+    _fma_kernel[(triton.cdiv(n, _block(device)),)](*dev, got, n, BLOCK=_block(device))
+    assert_bytes_equal(got.cpu(), want, "tl.fma vs numerics.fma")
+
+
 def test_exp_exact(device):
     g = torch.Generator().manual_seed(3)
     k = torch.arange(0, 100, dtype=torch.float64)
-    # where n = floor(t + 0.5) steps: t = -(k + 0.5), i.e. x = -(k + 0.5) * ln2
+    # where n = rne(t) steps: t = -(k + 0.5), i.e. x = -(k + 0.5) * ln2
     steps = (-(k + 0.5) * math.log(2.0)).to(F32)
     x = torch.cat((torch.linspace(-69.0, 0.0, 1 << 18, dtype=F32), -69.0 * torch.rand(1 << 16, generator=g),
                    _neighbours(steps[steps >= -69.0], 2), _neighbours(torch.tensor([-69.0, -1.0, -0.5]), 2),
@@ -199,8 +260,6 @@ def test_exp_exact(device):
     assert rel <= 4e-6, f"exp_exact relative error {rel:.3g}"
     assert torch.equal(want[x == 0], torch.ones_like(want[x == 0]))  # the max slot weighs exactly 1
 
-
-# --- (d) quant scale ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("fp8_dtype", FP8, ids=["e4m3fn", "e4m3fnuz"])
 @pytest.mark.parametrize("round_scale", [True, False])

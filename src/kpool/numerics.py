@@ -4,7 +4,9 @@ Every step is an IEEE fp32 operation in a fixed order, so the Triton kernels (wh
 perform the same operations in the same order, with FMA contraction disabled and
 ``div_rn`` divisions) give identical bits on every GPU and in the CPU interpreter:
 
-* exp is ``2^n * poly5(r)`` with ``t = x*log2(e)``, ``n = floor(t + 0.5)``, ``r = t - n``;
+* exp is ``2^n * poly5(r)`` with ``t = x*log2(e)``, ``n = rne(t)`` (as ``(t + 1.5*2^23) - 1.5*2^23``),
+  ``r = t - n``, the polynomial in Horner form of fused multiply-adds (``fma``: one rounding,
+  IEEE fusedMultiplyAdd; ``tl.fma`` in the kernels, emulated exactly here);
 * bf16 rounding and fp8 encoding are integer operations on the fp32 bit pattern;
 * the ue8m0 scale ``2^ceil(log2(v))`` is read off the exponent and mantissa bits.
 
@@ -19,6 +21,7 @@ from .layout import AMAX_FLOOR, HADAMARD_SCALE, HEAD_DIM, fp8_max
 
 LOG2E = 1.4426950408889634
 EXP_T_MIN = -100.0  # exp(x) for x*log2(e) < -100 is taken at -100 (~8e-31): keeps 2^n normal
+EXP_ROUND = 12582912.0  # 1.5 * 2^23: t + EXP_ROUND rounds t to an integer (ties to even)
 # 2^r on r in [-0.5, 0.5]: the degree-5 polynomial interpolating 2^r at the 6 Chebyshev
 # nodes, with its constant term set to exactly 1 so that exp(0) == 1 (the max slot's weight);
 # max relative error 2.9e-7 evaluated in fp32 Horner form. Highest degree first.
@@ -26,6 +29,7 @@ EXP2_POLY = (0.0013390863364698205, 0.009676031918298474, 0.055503571142190296,
              0.24022107485309188, 0.6931471880262294, 1.0)
 
 _F32 = torch.float32
+_F64 = torch.float64
 
 
 def _c(value: float, like: torch.Tensor) -> torch.Tensor:
@@ -33,20 +37,38 @@ def _c(value: float, like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(value, dtype=_F32, device=like.device)
 
 
+def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fp32 ``a*b + c`` rounded once (IEEE fusedMultiplyAdd, ties to even), for finite results.
+
+    ``a*b`` is exact in fp64 and TwoSum gives the fp64 sum's exact error, so the only case
+    where rounding the fp64 sum to fp32 differs from rounding the exact value (double
+    rounding) is a sum landing exactly on an fp32 midpoint: there the error's sign decides.
+    """
+    p = a.to(_F64) * b.to(_F64)
+    cd = c.to(_F64)
+    s = p + cd
+    bb = s - p
+    err = (p - (s - bb)) + (cd - bb)
+    f = s.to(_F32)
+    up = s > f.to(_F64)
+    g = torch.nextafter(f, torch.where(up, _c(float("inf"), f), _c(float("-inf"), f)))
+    on_midpoint = (s != f.to(_F64)) & (s == (f.to(_F64) + g.to(_F64)) * 0.5) & (err != 0)
+    return torch.where(on_midpoint & ((err > 0) == up), g, f)
+
+
 def exp_exact(x: torch.Tensor) -> torch.Tensor:
-    """``exp(x)`` for ``x <= 0`` from IEEE multiplies and adds only (rel. error < 4e-6).
+    """``exp(x)`` for ``x <= 0`` from IEEE multiplies, adds and fmas (rel. error < 4e-6).
 
     The clamp at ``EXP_T_MIN`` is IEEE maxNum (a NaN argument gives ``2^EXP_T_MIN``), as
-    Triton's ``tl.maximum`` on every target."""
+    Triton's ``tl.maximum`` on every target. ``2^n`` is applied by adding ``n`` to the
+    exponent bits (exact: ``p * 2^n`` stays normal)."""
     t = torch.fmax(x * _c(LOG2E, x), _c(EXP_T_MIN, x))
-    n = torch.floor(t + _c(0.5, x))
+    n = (t + _c(EXP_ROUND, x)) - _c(EXP_ROUND, x)
     r = t - n
     p = torch.full_like(r, EXP2_POLY[0])
     for coef in EXP2_POLY[1:]:
-        p = p * r
-        p = p + _c(coef, x)
-    two_n = ((n.to(torch.int32) + 127) << 23).view(_F32)
-    return p * two_n
+        p = fma(p, r, _c(coef, x).expand_as(r))
+    return (p.view(torch.int32) + (n.to(torch.int32) << 23)).view(_F32)
 
 
 def bf16_round(x: torch.Tensor) -> torch.Tensor:

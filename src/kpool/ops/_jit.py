@@ -8,38 +8,41 @@ kernels that use them are launched with ``enable_fp_fusion=False``. Tiles are
 import triton
 import triton.language as tl
 
-from ..numerics import EXP2_POLY, EXP_T_MIN, LOG2E
+from ..numerics import EXP2_POLY, EXP_ROUND, EXP_T_MIN, LOG2E
 from ..layout import AMAX_FLOOR, HADAMARD_SCALE
 
 # Globals read inside @triton.jit code must be tl.constexpr: the real compiler rejects plain
 # Python floats (NameError), only the interpreter accepts them.
-LOG2E, EXP_T_MIN = tl.constexpr(LOG2E), tl.constexpr(EXP_T_MIN)
+LOG2E, EXP_T_MIN, EXP_ROUND = tl.constexpr(LOG2E), tl.constexpr(EXP_T_MIN), tl.constexpr(EXP_ROUND)
 AMAX_FLOOR, HADAMARD_SCALE = tl.constexpr(AMAX_FLOOR), tl.constexpr(HADAMARD_SCALE)
 _C5, _C4, _C3, _C2, _C1, _C0 = (tl.constexpr(c) for c in EXP2_POLY)
 
 
 @triton.jit
 def exp_exact(x):
-    """exp(x) for x <= 0: ``2^n * poly5(r)``, ``t = x*log2(e)``, ``n = floor(t + 0.5)``."""
+    """exp(x) for x <= 0: ``2^n * poly5(r)``, ``t = x*log2(e)``, ``n = rne(t)``, fma Horner.
+
+    ``t + EXP_ROUND`` holds ``n`` in its low mantissa bits, so ``bits(tn) << 23`` is
+    ``n << 23`` (mod 2^32) and the scaling by ``2^n`` is one integer add."""
     t = tl.maximum(x * LOG2E, EXP_T_MIN)
-    n = tl.floor(t + 0.5)
-    r = t - n
-    p = r * _C5 + _C4
-    p = p * r + _C3
-    p = p * r + _C2
-    p = p * r + _C1
-    p = p * r + _C0
-    two_n = ((n.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
-    return p * two_n
+    tn = t + EXP_ROUND
+    r = t - (tn - EXP_ROUND)
+    p = tl.fma(r, _C5, _C4)
+    p = tl.fma(p, r, _C3)
+    p = tl.fma(p, r, _C2)
+    p = tl.fma(p, r, _C1)
+    p = tl.fma(p, r, _C0)
+    bits = p.to(tl.int32, bitcast=True) + (tn.to(tl.int32, bitcast=True) << 23)
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def bf16_round(x):
-    """fp32 -> nearest bf16 (ties to even) as fp32, by integer ops (NaN stays NaN)."""
-    u = x.to(tl.uint32, bitcast=True)
-    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
-    q = ((u >> 16) | 0x40) << 16
-    return tl.where(x != x, q, r).to(tl.float32, bitcast=True)
+    """fp32 -> nearest bf16 (ties to even) as fp32; a NaN keeps its sign and payload, quieted
+    (the conversion's own NaN output is not portable)."""
+    r = x.to(tl.bfloat16).to(tl.float32)
+    q = (((x.to(tl.uint32, bitcast=True) >> 16) | 0x40) << 16).to(tl.float32, bitcast=True)
+    return tl.where(x != x, q, r)
 
 
 @triton.jit
