@@ -205,13 +205,15 @@ def _compress_specs(m):
 
 
 def _decode_specs(m):
-    steps = [dict(next_n=1), dict(next_n="i32")]  # next_n == 1 is specialized by the launcher's JIT
+    # next_n == 1 is specialized by the launcher's JIT; NB = next_pow2(next_n)
+    steps = [dict(next_n=1, NB=1), dict(next_n="i32", NB=4), dict(next_n="i32", NB=8)]
     return {"_decode_update_kernel": KernelSpec(
         ptrs=dict(kv_ptr="u8", kv_f32_ptr="fp32", tail_ptr="bf16", key_ptr="bf16", g_ptr="bf16", ape_ptr="fp32",
                   ts_ptr="i64", loc_ptr="i64", pos_ptr="i64"),
         cross=(pool_ring_axis(), layout_axis(), fp8_axis("FP8_MAX", "FNUZ")),
         cycle=(steps, flag("ROUND_SCALE"), _PAGE, int_ptr_axis("ts_ptr", "loc_ptr", "pos_ptr"),
                axis("_opt_num_warps", sorted({m.decode_warps(1), m.decode_warps(1 << 20)}))),
+        derive=lambda c: dict(NC=m.step_tiles(c["NB"], c["P"])["NC"]),  # as the launcher
         target_derive=native_fp8_param, options=dict(enable_fp_fusion=False))}
 
 

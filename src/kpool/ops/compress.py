@@ -53,9 +53,14 @@ def _compress_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
         ring_off = i
         pos0 = i
         n_ring = i
-    x = _jit.pool_vector(k_ptr, g_ptr, row * k_pool_stride, row * g_pool_stride, k_slot_stride, g_slot_stride,
-                         ring_ptr, ring_off, ring_head, pos0, n_ring, ape_ptr, ape_stride, d, live,
-                         BN, P, RING, HAS_META)
+    if HAS_META and tl.max(n_ring, axis=0) > 0:  # some pool starts in the ring (a chunk's first pool)
+        x = _jit.pool_vector(k_ptr, g_ptr, row * k_pool_stride, row * g_pool_stride, k_slot_stride, g_slot_stride,
+                             ring_ptr, ring_off, ring_head, pos0, n_ring, ape_ptr, ape_stride, d, live,
+                             BN, P, RING, True)
+    else:
+        x = _jit.pool_vector(k_ptr, g_ptr, row * k_pool_stride, row * g_pool_stride, k_slot_stride, g_slot_stride,
+                             ring_ptr, ring_off, ring_head, pos0, n_ring, ape_ptr, ape_stride, d, live,
+                             BN, P, RING, False)
     codes, scale = _jit.quantize(_jit.rotate(x, BN), FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)
     if WRITE_CACHE:
         loc = tl.load(loc_ptr + i, mask=live, other=-1).to(tl.int64)

@@ -1,11 +1,16 @@
 """Decode / speculative-verify step: complete pools from the ring, then stash every token.
 
-One program per request walks its ``next_n`` tokens in step order, exactly the in-order
-semantics of SPEC.md: a pool-completing token compresses the ring slots of its pool (as
-this step's earlier tokens left them) plus itself, then every token is stashed at its ring
-slot, with a barrier before the next token reads the ring. Token ``j + 1``'s metadata and
-rows are loaded before token ``j``'s ring writes (software pipelining), and a completion is
-the compress kernel's ``pool_vector`` with one pool: no per-slot searches or reductions.
+The semantics are SPEC.md's in-order walk: for each request, its ``next_n`` tokens in step
+order; a pool-completing token compresses the ring slots of its pool (as this step's
+earlier tokens left them) plus itself, then the token is stashed at its ring slot.
+
+One program per request. A *regular* step (the stashed tokens are a prefix of the step, at
+consecutive positions, in one ring block: every real decode / verify step, padding at the
+end included) runs in parallel: a completion's slots come from the step's own rows or from
+ring slots that no earlier token of the step has overwritten, so all completions of the
+step are one ``[NC, 128]`` tile of ``pool_vector`` reading rows and ring together, then a
+barrier, then every token that stays in the ring is stashed at once. Any other step takes
+the in-order walk (``_in_order_step``), which gives the same bytes for any input.
 """
 
 from __future__ import annotations
@@ -30,6 +35,12 @@ def decode_warps(num_req: int) -> int:
     return 4 if num_req <= SMALL_BATCH else 2
 
 
+def step_tiles(next_n: int, pool_size: int) -> dict:
+    """Constexpr tile sizes of a step: ``NB`` (>= next_n) tokens, ``NC`` (>= cdiv(next_n, P),
+    the most pools a step of consecutive tokens completes) completions; powers of two."""
+    return dict(NB=triton.next_power_of_2(next_n), NC=triton.next_power_of_2(triton.cdiv(next_n, pool_size)))
+
+
 @triton.jit
 def _load_token(key_ptr, key_row, g_ptr, g_row, ts_ptr, ts_off, loc_ptr, loc_off, pos_ptr, pos_off, ok, d):
     # Token rows (bf16 [128]) and metadata (tail slot, pool slot, position) of one step row;
@@ -45,23 +56,20 @@ def _load_token(key_ptr, key_row, g_ptr, g_row, ts_ptr, ts_off, loc_ptr, loc_off
 
 
 @triton.jit
-def _decode_update_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
-                          tail_ptr, tail_block_stride, tail_head, num_ring_slots,
-                          key_ptr, key_sb, key_st, g_ptr, g_sb, g_st, ape_ptr, ape_stride,
-                          ts_ptr, ts_sb, ts_st, loc_ptr, loc_sb, loc_st, pos_ptr, pos_sb, pos_st,
-                          next_n,
-                          P: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr,
-                          PRESHUFFLE: tl.constexpr, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr,
-                          ROUND_SCALE: tl.constexpr, NATIVE_FP8: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    d = tl.arange(0, 128)
+def _in_order_step(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_block_stride, tail_head,
+                   num_ring_slots, key_ptr, key_sb, key_st, g_ptr, g_sb, g_st, ape_ptr, ape_stride,
+                   ts_ptr, ts_sb, ts_st, loc_ptr, loc_sb, loc_st, pos_ptr, pos_sb, pos_st, next_n, b, d,
+                   P: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr, PRESHUFFLE: tl.constexpr,
+                   FP8_MAX: tl.constexpr, FNUZ: tl.constexpr, ROUND_SCALE: tl.constexpr,
+                   NATIVE_FP8: tl.constexpr):
+    # Request b's tokens one at a time; token j + 1's metadata and rows are loaded before
+    # token j writes the ring (software pipelining); a barrier after each token's ring writes.
     one = tl.zeros((1,), tl.int64)  # [1] vectors: the pool helpers work on tiles of BN = 1 pools
     k, g, ts, loc, pos = _load_token(key_ptr, b * key_sb, g_ptr, b * g_sb, ts_ptr, b * ts_sb, loc_ptr, b * loc_sb,
                                      pos_ptr, b * pos_sb, next_n > 0, d)
     for j in range(0, next_n):
         key_row = b * key_sb + j * key_st
         g_row = b * g_sb + j * g_st
-        # token j + 1, loaded before token j writes the ring
         nj = j + 1
         k1, g1, ts1, loc1, pos1 = _load_token(key_ptr, key_row + key_st, g_ptr, g_row + g_st,
                                               ts_ptr, b * ts_sb + nj * ts_st, loc_ptr, b * loc_sb + nj * loc_st,
@@ -82,6 +90,61 @@ def _decode_update_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
         tl.store(dst + tail_head, g, mask=rows)
         tl.debug_barrier()  # token j's ring writes precede token j + 1's ring reads
         k, g, ts, loc, pos = k1, g1, ts1, loc1, pos1
+
+
+@triton.jit
+def _decode_update_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
+                          tail_ptr, tail_block_stride, tail_head, num_ring_slots,
+                          key_ptr, key_sb, key_st, g_ptr, g_sb, g_st, ape_ptr, ape_stride,
+                          ts_ptr, ts_sb, ts_st, loc_ptr, loc_sb, loc_st, pos_ptr, pos_sb, pos_st,
+                          next_n,
+                          P: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr,
+                          PRESHUFFLE: tl.constexpr, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr,
+                          ROUND_SCALE: tl.constexpr, NATIVE_FP8: tl.constexpr,
+                          NB: tl.constexpr, NC: tl.constexpr):
+    # NB >= next_n (a power of two), NC >= cdiv(next_n, P): the most completions in one step.
+    b = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, 128)
+    j = tl.arange(0, NB)
+    in_step = j < next_n
+    pos = tl.load(pos_ptr + b * pos_sb + j * pos_st, mask=in_step, other=-1).to(tl.int64)
+    ts = tl.load(ts_ptr + b * ts_sb + j * ts_st, mask=in_step, other=-1).to(tl.int64)
+    loc = tl.load(loc_ptr + b * loc_sb + j * loc_st, mask=in_step, other=-1).to(tl.int64)
+    pos0 = tl.load(pos_ptr + b * pos_sb).to(tl.int64)
+    block = tl.load(ts_ptr + b * ts_sb).to(tl.int64) // RING
+    rows = in_step[:, None] & (d[None, :] < 128)
+    k = tl.load(key_ptr + b * key_sb + j[:, None] * key_st + d[None, :], mask=rows, other=0.0)
+    g = tl.load(g_ptr + b * g_sb + j[:, None] * g_st + d[None, :], mask=rows, other=0.0)
+    stash = (pos >= 0) & (ts >= 0) & (ts < num_ring_slots)
+    n_reg = tl.sum((stash & (pos == pos0 + j) & (ts // RING == block)).to(tl.int32), axis=0)
+    # regular: the stashed tokens are exactly tokens 0 .. n_reg-1, at pos0 + j, in one block
+    irregular = tl.max((stash != (j < n_reg)).to(tl.int32), axis=0)
+    if irregular == 0:
+        ring = tail_ptr + block * tail_block_stride
+        # completing tokens j0, j0 + P, ...: slot s of token jc's pool is token jc - (P-1) + s,
+        # or ring slot (pos0 + jc - (P-1) + s) % RING (not yet overwritten) when that is < 0
+        c = tl.arange(0, NC)
+        jc = (P - 1 - pos0 % P) % P + c * P
+        loc = tl.sum(tl.where(j[None, :] == jc[:, None], loc[None, :], 0), axis=1)  # [NC]: token jc's slot
+        complete = (jc < n_reg) & (loc >= 0) & (loc < num_slots)
+        if tl.max(complete.to(tl.int32), axis=0) > 0:
+            first = jc - (P - 1)
+            x = _jit.pool_vector(key_ptr, g_ptr, b * key_sb + first * key_st, b * g_sb + first * g_st, key_st, g_st,
+                                 ring, 0, tail_head, pos0 + first, tl.maximum(-first, 0),
+                                 ape_ptr, ape_stride, d, complete, NC, P, RING, True)
+            codes, scale = _jit.quantize(_jit.rotate(x, NC), FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)
+            _jit.store_entries(kv_ptr, kv_f32_ptr, page_stride, loc, complete, codes, scale, d, PAGE, PRESHUFFLE)
+        tl.debug_barrier()  # the completions' ring reads precede the stash
+        # a step longer than the ring keeps its last RING tokens
+        keep = ((j < n_reg) & (j + RING >= n_reg))[:, None] & (d[None, :] < 128)
+        dst = ring + ((pos0 + j) % RING)[:, None] * 128 + d[None, :]
+        tl.store(dst, k, mask=keep)
+        tl.store(dst + tail_head, g, mask=keep)
+    else:
+        _in_order_step(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_block_stride, tail_head,
+                       num_ring_slots, key_ptr, key_sb, key_st, g_ptr, g_sb, g_st, ape_ptr, ape_stride,
+                       ts_ptr, ts_sb, ts_st, loc_ptr, loc_sb, loc_st, pos_ptr, pos_sb, pos_st, next_n, b, d,
+                       P, RING, PAGE, PRESHUFFLE, FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)
 
 
 def kpool_decode_update_and_maybe_write_cache_batched(kv_cache, tail_kv_cache, tail_slot_mapping, key, slot_score,
@@ -138,7 +201,9 @@ def kpool_decode_update_and_maybe_write_cache_batched(kv_cache, tail_kv_cache, t
         positions, *positions.stride(), next_n,
         P=pool_size, RING=ring, PAGE=kv_cache.shape[1],
         PRESHUFFLE=layout == "preshuffle", FP8_MAX=fp8_max(fp8_dtype), FNUZ=fp8_dtype == torch.float8_e4m3fnuz,
-        ROUND_SCALE=round_scale, NATIVE_FP8=native_fp8(device, fp8_dtype), num_warps=decode_warps(num_req),
+        ROUND_SCALE=round_scale, NATIVE_FP8=native_fp8(device, fp8_dtype),
+        **step_tiles(next_n, pool_size),
+        num_warps=decode_warps(num_req),
         enable_fp_fusion=False,
     )
     return None
