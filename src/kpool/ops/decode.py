@@ -105,6 +105,12 @@ def _decode_update_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
     # NB >= next_n (a power of two), NC >= cdiv(next_n, P): the most completions in one step.
     b = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, 128)
+    if NB == 1:  # one token: the walk is the step
+        _in_order_step(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_block_stride, tail_head,
+                       num_ring_slots, key_ptr, key_sb, key_st, g_ptr, g_sb, g_st, ape_ptr, ape_stride,
+                       ts_ptr, ts_sb, ts_st, loc_ptr, loc_sb, loc_st, pos_ptr, pos_sb, pos_st, next_n, b, d,
+                       P, RING, PAGE, PRESHUFFLE, FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)
+        return
     j = tl.arange(0, NB)
     in_step = j < next_n
     pos = tl.load(pos_ptr + b * pos_sb + j * pos_st, mask=in_step, other=-1).to(tl.int64)
@@ -125,15 +131,15 @@ def _decode_update_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
         # or ring slot (pos0 + jc - (P-1) + s) % RING (not yet overwritten) when that is < 0
         c = tl.arange(0, NC)
         jc = (P - 1 - pos0 % P) % P + c * P
-        loc = tl.sum(tl.where(j[None, :] == jc[:, None], loc[None, :], 0), axis=1)  # [NC]: token jc's slot
-        complete = (jc < n_reg) & (loc >= 0) & (loc < num_slots)
+        loc_c = tl.sum(tl.where(j[None, :] == jc[:, None], loc[None, :], 0), axis=1)  # [NC]: token jc's slot
+        complete = (jc < n_reg) & (loc_c >= 0) & (loc_c < num_slots)
         if tl.max(complete.to(tl.int32), axis=0) > 0:
             first = jc - (P - 1)
             x = _jit.pool_vector(key_ptr, g_ptr, b * key_sb + first * key_st, b * g_sb + first * g_st, key_st, g_st,
                                  ring, 0, tail_head, pos0 + first, tl.maximum(-first, 0),
                                  ape_ptr, ape_stride, d, complete, NC, P, RING, True)
             codes, scale = _jit.quantize(_jit.rotate(x, NC), FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)
-            _jit.store_entries(kv_ptr, kv_f32_ptr, page_stride, loc, complete, codes, scale, d, PAGE, PRESHUFFLE)
+            _jit.store_entries(kv_ptr, kv_f32_ptr, page_stride, loc_c, complete, codes, scale, d, PAGE, PRESHUFFLE)
         tl.debug_barrier()  # the completions' ring reads precede the stash
         # a step longer than the ring keeps its last RING tokens
         keep = ((j < n_reg) & (j + RING >= n_reg))[:, None] & (d[None, :] < 128)
