@@ -212,7 +212,7 @@ def _decode_specs(m):
                   ts_ptr="i64", loc_ptr="i64", pos_ptr="i64"),
         cross=(pool_ring_axis(), layout_axis(), fp8_axis("FP8_MAX", "FNUZ")),
         cycle=(steps, flag("ROUND_SCALE"), _PAGE, int_ptr_axis("ts_ptr", "loc_ptr", "pos_ptr"),
-               axis("_opt_num_warps", sorted({m.decode_warps(1), m.decode_warps(1 << 20)}))),
+               axis("_opt_num_warps", sorted({m.decode_warps(1, 4, 1), m.decode_warps(1 << 20, 4, 1)}))),
         derive=lambda c: dict(NC=m.step_tiles(c["NB"], c["P"])["NC"]),  # as the launcher
         target_derive=native_fp8_param, options=dict(enable_fp_fusion=False))}
 

@@ -87,7 +87,7 @@ def check_decode(num_req, next_n, p, ring, fp8_dtype, layout, device, gen, page=
 
 def decode_cases(p, many):
     """``(ring multiple, next_n, requests)`` of the decode checks: plain decode and a 4-token
-    verify step with many requests and with 64 (both warp counts of ``decode.decode_warps``),
+    verify step with many requests and with 64 (both warp counts of ``decode.decode_warps`` at P = 4),
     and a verify step longer than a pool (``next_n = P + 1``: two completions in one step, the
     later one from this step's own tokens; its last token reuses the first one's ring slot
     when RING = P)."""

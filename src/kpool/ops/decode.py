@@ -26,13 +26,13 @@ from .._checks import (INT_DTYPES, check_head_dim, check_index_range, check_kv_c
 from ..layout import HEAD_DIM, fp8_max, resolve_fp8_dtype, resolve_layout
 from . import _jit
 
-SMALL_BATCH = 256  # requests; up to this many, a program (one request) gets 4 warps, else 2
+SMALL_BATCH = 256  # requests; up to this many, a program (one request) gets 4 warps
 
 
-def decode_warps(num_req: int) -> int:
-    """Warps per program: 4 for batches of at most ``SMALL_BATCH`` requests, else 2 (H200 sweep
-    of 1/2/4 warps over 24 configurations, benchmarks/NOTES.md)."""
-    return 4 if num_req <= SMALL_BATCH else 2
+def decode_warps(num_req: int, pool_size: int, next_n: int) -> int:
+    """Warps per program (H200 sweeps, benchmarks/NOTES.md): 4 up to ``SMALL_BATCH`` requests;
+    above, 4 for verify steps at P >= 16 (larger completion tiles), else 2."""
+    return 4 if num_req <= SMALL_BATCH or (next_n > 1 and pool_size >= 16) else 2
 
 
 def step_tiles(next_n: int, pool_size: int) -> dict:
@@ -209,7 +209,7 @@ def kpool_decode_update_and_maybe_write_cache_batched(kv_cache, tail_kv_cache, t
         PRESHUFFLE=layout == "preshuffle", FP8_MAX=fp8_max(fp8_dtype), FNUZ=fp8_dtype == torch.float8_e4m3fnuz,
         ROUND_SCALE=round_scale, NATIVE_FP8=native_fp8(device, fp8_dtype),
         **step_tiles(next_n, pool_size),
-        num_warps=decode_warps(num_req),
+        num_warps=decode_warps(num_req, pool_size, next_n),
         enable_fp_fusion=False,
     )
     return None
