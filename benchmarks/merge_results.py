@@ -1,12 +1,13 @@
 #!/usr/bin/env python
-"""Replace one op family's records in a full results JSON by those of a later partial run.
+"""Replace op families' records in a full results JSON by those of another run.
 
 ``python benchmarks/merge_results.py FULL.json PARTIAL.json --ops score [--out FULL.json]``
 
-For runs that re-measure only the ops whose kernels changed. The merged file keeps the full
-run's ``meta`` and copy bandwidth and records the partial run's meta under
-``meta["merged"]`` (ops, commit, date, copy bandwidth), so the README table can say which
-records come from which commit.
+For runs that re-measure only the ops whose kernels changed, or a full run that ran out of
+time before some ops (their records taken from an earlier run whose kernels are unchanged).
+The merged file keeps the full run's ``meta`` and copy bandwidth and records the other run's
+meta under ``meta["merged"]`` (ops, commit, date, copy bandwidth), so the README table can
+say which records come from which commit.
 """
 
 import argparse

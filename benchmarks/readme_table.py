@@ -129,8 +129,8 @@ def fp8_table(doc) -> list[str]:
 
 
 def merged_note(meta) -> str:
-    """Header sentences for records merged in from later partial runs (``merge_results.py``)."""
-    return "".join(f" The {', '.join(m['ops'])} records are from a later run of those ops alone: commit "
+    """Header sentences for records merged in from other runs (``merge_results.py``)."""
+    return "".join(f" The {', '.join(m['ops'])} records are from another run: commit "
                    f"`{m['commit']}` ({m['date_utc'][:10]}), copy bandwidth {_f(m['copy_gbps'], '.0f')} GB/s."
                    for m in meta.get("merged", []))
 
