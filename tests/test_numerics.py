@@ -235,8 +235,15 @@ def test_fma_rounds_once(device):
     # the constructed cases do exercise the correction: plain fp64 rounding gets some wrong
     naive = (a.double() * b.double() + c.double()).to(F32)
     assert (naive != want).sum() >= 2048
-    # and the kernels' tl.fma (native on a GPU, the interpreter's fma) gives the same bits
+    # and the kernels' tl.fma (native on a GPU, the interpreter's fma) gives the same bits,
+    # non-finite and overflowing cases included (the pooling sum meets inf and NaN keys);
+    # numerics.fma runs on the same device: NaN bits are the platform's on both sides
+    inf, nan = float("inf"), float("nan")
+    a = torch.cat((a, torch.tensor([0.5, 0.5, 1.0, 0.25, 1e-30, 3e38, 1.0, 0.0])))
+    b = torch.cat((b, torch.tensor([inf, -inf, nan, 2.0, 1e-30, 10.0, 2.0, inf])))
+    c = torch.cat((c, torch.tensor([1.0, inf, 1.0, -inf, 0.0, 0.0, nan, 1.0])))
     dev = [t.to(device) for t in (a, b, c)]
+    want = numerics.fma(*dev).cpu()
     got = torch.empty_like(dev[0])
     n = a.numel()
     _fma_kernel[(triton.cdiv(n, _block(device)),)](*dev, got, n, BLOCK=_block(device))

@@ -7,6 +7,7 @@ perform the same operations in the same order, with FMA contraction disabled and
 * exp is ``2^n * poly5(r)`` with ``t = x*log2(e)``, ``n = rne(t)`` (as ``(t + 1.5*2^23) - 1.5*2^23``),
   ``r = t - n``, the polynomial in Horner form of fused multiply-adds (``fma``: one rounding,
   IEEE fusedMultiplyAdd; ``tl.fma`` in the kernels, emulated exactly here);
+* the pooling sum accumulates ``acc = fma(e, k, acc)`` in slot order;
 * bf16 rounding and fp8 encoding are integer operations on the fp32 bit pattern;
 * the ue8m0 scale ``2^ceil(log2(v))`` is read off the exponent and mantissa bits.
 
@@ -38,11 +39,13 @@ def _c(value: float, like: torch.Tensor) -> torch.Tensor:
 
 
 def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """fp32 ``a*b + c`` rounded once (IEEE fusedMultiplyAdd, ties to even), for finite results.
+    """fp32 ``a*b + c`` rounded once (IEEE fusedMultiplyAdd, ties to even).
 
     ``a*b`` is exact in fp64 and TwoSum gives the fp64 sum's exact error, so the only case
     where rounding the fp64 sum to fp32 differs from rounding the exact value (double
     rounding) is a sum landing exactly on an fp32 midpoint: there the error's sign decides.
+    Overflow, underflow, infinities and NaNs come out as from an fp32 fma (a NaN's sign
+    and payload as the platform's fp64 arithmetic makes them, like its fp32 fma).
     """
     p = a.to(_F64) * b.to(_F64)
     cd = c.to(_F64)
@@ -145,7 +148,7 @@ def pool_softmax(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor) -> 
     for s in range(pool):
         e = exp_exact(logits[:, s] - top)
         den = den + e
-        acc = acc + e * keys[:, s].to(_F32)
+        acc = fma(e, keys[:, s].to(_F32), acc)
     return bf16_round(acc / den)
 
 

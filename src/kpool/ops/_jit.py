@@ -200,9 +200,9 @@ def slot_logit(g, ape_ptr, ape_stride, s, d):
 
 @triton.jit
 def pool_accumulate(acc, den, logit, top, k):
-    """One slot of the second softmax pass: ``e = exp(l - max)``; ``den += e``; ``acc += e*k``."""
+    """One slot of the second softmax pass: ``e = exp(l - max)``; ``den += e``; ``acc = fma(e, k, acc)``."""
     e = exp_exact(logit - top)
-    return acc + e * k, den + e
+    return tl.fma(e, k, acc), den + e
 
 
 @triton.jit
