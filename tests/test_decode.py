@@ -392,6 +392,22 @@ def test_decode_writer_matches_prefill_writer(P, backend, device):
     assert_bytes_equal(sc.lib_kv_base, sc.expected_pools_kv(pools), "kv_cache vs prefill writer")
 
 
+@pytest.mark.parametrize("P,rmul,next_n", [(4, 1, 2), (4, 1, 9), (4, 2, 5), (16, 1, 17), (16, 2, 4)],
+                         ids=["P4-R4-n2", "P4-R4-n9", "P4-R8-n5", "P16-R16-n17", "P16-R32-n4"])
+def test_regular_steps_only(P, rmul, next_n, backend, device):
+    """Every request's step regular (its valid tokens a prefix at consecutive positions, one
+    ring block; shorter requests padded at the end): the Triton kernel's step-tile path for
+    the whole launch, several completions per step, steps longer than the ring (only the last
+    RING tokens stay), completions whose slots come partly from the ring and partly from the
+    step's own rows. Whole cache and ring against the in-order oracle, three steps."""
+    sc = Sched(device, 70 + P + next_n, P, rmul * P, 32, "plain", FN, 4, max_pos=4 * P + 3 * next_n)
+    for r in range(4):
+        sc.start(r, sc.rng.randrange(0, 2 * P))
+    for step in range(3):
+        rows = [contiguous_rows(next_n), contiguous_rows(next_n - 1), contiguous_rows(1), []]
+        sc.apply(sc.step(rows, next_n), f"step {step}")
+
+
 @pytest.mark.parametrize("P", [4, 16])
 def test_rejected_draft_redo(P, backend, device):
     """RING = ring_size(P, 3) >= P + num_spec. Step 1 verifies positions 2P-3 .. 2P (one bonus
