@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from kpool import numerics
-from kpool.ops.quant import fwht128_quant_fp8
+from kpool import numerics, reference
+from kpool.ops.quant import fwht128_quant_fp8, quantize_queries
 from _util import assert_bytes_equal
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
@@ -117,3 +117,32 @@ def test_validation(backend, device):
         fwht128_quant_fp8(q, round_scale=1)
     with pytest.raises(TypeError, match="q"):
         fwht128_quant_fp8(q.float().cpu().numpy())
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8)
+@pytest.mark.parametrize("round_scale", [True, False])
+@pytest.mark.parametrize("lead,heads", [((5,), 16), ((2, 3), 32), ((1,), 64), ((0,), 32)])
+def test_quantize_queries_folds_the_weights(backend, device, fp8_dtype, round_scale, lead, heads):
+    """quantize_queries = fwht128_quant_fp8 + reference.fold_head_weights, bit for bit, with
+    head weights of any strides (a transposed view here)."""
+    q = _queries((*lead, heads), seed=7 + heads, device=device)
+    g = torch.Generator().manual_seed(heads)
+    w = (torch.randn(heads, *lead, generator=g) * 3.0).to(device)
+    w = w.movedim(0, -1)  # [..., H], not contiguous
+    q8, qs, wf = quantize_queries(q, w, fp8_dtype=fp8_dtype, round_scale=round_scale)
+    want_q8, want_qs = fwht128_quant_fp8(q, fp8_dtype=fp8_dtype, round_scale=round_scale)
+    assert q8.shape == want_q8.shape and qs.shape == want_qs.shape and wf.shape == w.shape
+    assert_bytes_equal(q8.view(torch.uint8).cpu(), want_q8.view(torch.uint8).cpu(), "codes")
+    assert_bytes_equal(qs.cpu(), want_qs.cpu(), "scales")
+    assert_bytes_equal(wf.cpu(), reference.fold_head_weights(w, want_qs).cpu(), "folded weights")
+
+
+def test_quantize_queries_rejects(device):
+    q = _queries((3, 16), seed=5, device=device)
+    w = torch.randn(3, 16).to(device)
+    with pytest.raises(ValueError, match="weights"):
+        quantize_queries(q, w[:, :8])
+    with pytest.raises(TypeError, match="weights"):
+        quantize_queries(q, w.double())
+    with pytest.raises(ValueError, match="q"):
+        quantize_queries(q[..., :64], w)

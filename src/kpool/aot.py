@@ -231,8 +231,8 @@ def _tail_specs(m):
 
 def _quant_specs(m):
     return {"_fwht_quant_kernel": KernelSpec(
-        ptrs=dict(q_ptr="bf16", codes_ptr="u8", scale_ptr="fp32"),
-        cross=(fp8_axis("FP8_MAX", "FNUZ"),), cycle=(flag("ROUND_SCALE"),),
+        ptrs=dict(q_ptr="bf16", codes_ptr="u8", scale_ptr="fp32", w_ptr="fp32", w_out_ptr="fp32"),
+        cross=(fp8_axis("FP8_MAX", "FNUZ"),), cycle=(flag("ROUND_SCALE"), flag("FOLD")),
         fixed=dict(BR=m.BLOCK_ROWS), target_derive=native_fp8_param, options=dict(enable_fp_fusion=False))}
 
 

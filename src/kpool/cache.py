@@ -25,13 +25,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import reference
 from ._checks import check_positive_int, check_tensor
 from .layout import (ENTRY_BYTES, HEAD_DIM, read_entries, resolve_fp8_dtype, resolve_layout, ring_size)
 from .ops.compress import compress_token_pools
 from .ops.decode import kpool_decode_update_and_maybe_write_cache_batched
 from .ops.logits import SUPPORTED_HEADS
-from .ops.quant import fwht128_quant_fp8
+from .ops.quant import quantize_queries
 from .ops.select import expand_pools_and_append_tail
 from .ops.tail import seed_requests
 from .ops.score import paged_pool_topk
@@ -296,8 +295,9 @@ class KPoolCache:
         verify step; after ``accept`` only its accepted tokens), requests in the listed order,
         tokens in position order (``T = sum`` of those step lengths). A token at position
         ``p`` sees the request's complete pools ``j < (p + 1) // P`` (the pools its own step
-        wrote included). Per row: ``fwht128_quant_fp8(q)``, folded head weights
-        ``(weights * q_scale) * fp32(128^-0.5 * H^-0.5)``, exact pooled logits and the
+        wrote included). Per row: ``fwht128_quant_fp8(q)`` and the folded head weights
+        ``(weights * q_scale) * fp32(128^-0.5 * H^-0.5)`` (one launch, ``quantize_queries``),
+        exact pooled logits and the
         ``select_k = index_topk // P`` best pools, fused (``paged_pool_topk``: the result of
         ``select_pools(paged_pool_logits(...))`` without a logits row in memory: highest
         first, ties to the lower pool id; every visible pool in order when there are at most
@@ -352,8 +352,7 @@ class KPoolCache:
         out = torch.empty((total + 1, width), dtype=torch.int32, device=self.device)  # row T: sink of padding
         if total == 0:
             return out[:0]
-        q8, q_scale = fwht128_quant_fp8(q, fp8_dtype=self.fp8_dtype, round_scale=self.round_scale)
-        w = reference.fold_head_weights(weights, q_scale)
+        q8, _, w = quantize_queries(q, weights, fp8_dtype=self.fp8_dtype, round_scale=self.round_scale)
         short, items, row = [], [], 0  # short: (row0, pos0, n) runs scored by identity; items: long runs
         for i, (req, n) in enumerate(zip(reqs, counts)):
             a = req.step_start
@@ -561,17 +560,17 @@ def score_and_select_quantized(q8, w, kv_cache, page_table, positions, *, pool_s
     int32 ``[B * n, width]`` rows as ``KPoolCache.topk_indices`` (padding rows all -1).
     """
     batch, n = positions.shape
-    pos = positions.to(torch.int64)
-    lens = torch.where(pos >= 0, torch.div(pos + 1, pool_size, rounding_mode="floor"), 0)
+    seq = (positions.to(torch.int64) + 1).clamp_min(0)  # tokens each row sees (0: padding row)
+    lens = torch.div(seq, pool_size, rounding_mode="floor")
     if max_pools is None:
         max_pools = page_table.shape[1] * kv_cache.shape[1]
     if max_pools <= select_k:
-        cols = torch.arange(select_k, dtype=torch.int64, device=pos.device)
+        cols = torch.arange(select_k, dtype=torch.int64, device=seq.device)
         ids = torch.where(cols < lens.reshape(-1, 1), cols, -1).to(torch.int32)
     else:
         ids = paged_pool_topk(q8, kv_cache, w, lens, page_table, select_k, layout=layout, fp8_dtype=fp8_dtype,
                               max_pools=max_pools)
-    return expand_pools_and_append_tail(ids, (pos + 1).clamp_min(0).reshape(-1), pool_size, width=width)
+    return expand_pools_and_append_tail(ids, seq.reshape(-1), pool_size, width=width)
 
 
 def score_and_select(q, weights, kv_cache, page_table, positions, *, pool_size, index_topk, width=None,
@@ -584,8 +583,7 @@ def score_and_select(q, weights, kv_cache, page_table, positions, *, pool_size, 
     step of ``KPoolCache.topk_indices`` runs (used by the scoring benchmarks).
     """
     fp8_dtype = resolve_fp8_dtype(fp8_dtype, q.device)
-    q8, q_scale = fwht128_quant_fp8(q, fp8_dtype=fp8_dtype, round_scale=round_scale)
-    w = reference.fold_head_weights(weights, q_scale)
+    q8, _, w = quantize_queries(q, weights, fp8_dtype=fp8_dtype, round_scale=round_scale)
     width = index_topk + pool_size - 1 if width is None else width
     return score_and_select_quantized(q8, w, kv_cache, page_table, positions, pool_size=pool_size,
                                       select_k=index_topk // pool_size, width=width, max_pools=max_pools,

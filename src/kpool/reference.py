@@ -356,9 +356,13 @@ def fold_head_weights(weights, q_scale):
     constant (exactly ``2^-6`` at H = 32); ``q_scale`` is a power of two with ue8m0 scales.
     Used by ``KPoolCache.topk_indices`` on every backend.
     """
-    heads = weights.shape[-1]
-    c = torch.tensor(HEAD_DIM ** -0.5 * heads ** -0.5, dtype=_F32)  # 0-dim CPU scalar: no copy, graph-safe
+    c = torch.tensor(head_weight_scale(weights.shape[-1]), dtype=_F32)  # 0-dim CPU scalar: no copy, graph-safe
     return (weights.to(_F32) * q_scale.reshape(weights.shape).to(_F32)) * c
+
+
+def head_weight_scale(heads: int) -> float:
+    """``128^-0.5 * H^-0.5`` (a Python float; fp32-rounded where it is used)."""
+    return HEAD_DIM ** -0.5 * heads ** -0.5
 
 
 def _visible_pools(positions, pool_size):
@@ -454,5 +458,5 @@ def hf_topk_indices(q, weights, keys, gates, ape, positions, pool_size, index_to
     return expand_pools_and_append_tail(pool_ids, seq, pool_size, width=width), pool_ids, logits
 
 
-__all__ += ["fold_head_weights", "serving_pool_logits", "serving_topk_indices", "hf_pool_keys", "hf_pool_logits",
+__all__ += ["fold_head_weights", "head_weight_scale", "serving_pool_logits", "serving_topk_indices", "hf_pool_keys", "hf_pool_logits",
             "hf_topk_indices"]

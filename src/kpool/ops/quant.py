@@ -23,9 +23,12 @@ BLOCK_ROWS = 16
 
 @triton.jit
 def _fwht_quant_kernel(q_ptr, q_row_stride, codes_ptr, scale_ptr, n_rows,
+                       w_ptr, w_s0, w_s1, heads, w_out_ptr, w_const,
                        BR: tl.constexpr, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr, ROUND_SCALE: tl.constexpr,
-                       NATIVE_FP8: tl.constexpr):
+                       NATIVE_FP8: tl.constexpr, FOLD: tl.constexpr):
     # One program per BR rows: q [BR, 128] bf16 -> codes [BR, 128] uint8, scale [BR] fp32.
+    # FOLD: row r is (token r // heads, head r % heads) and its folded head weight
+    # (w[t, h] * scale) * w_const goes to w_out[r] (fp32; reference.fold_head_weights).
     pid = tl.program_id(0).to(tl.int64)
     r = pid * BR + tl.arange(0, BR)
     d = tl.arange(0, 128)
@@ -34,18 +37,26 @@ def _fwht_quant_kernel(q_ptr, q_row_stride, codes_ptr, scale_ptr, n_rows,
     codes, scale = _jit.quantize(_jit.rotate(x, BR), FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)  # [BR, 128], [BR]
     tl.store(codes_ptr + r[:, None] * 128 + d[None, :], codes, mask=live[:, None])
     tl.store(scale_ptr + r, scale, mask=live)
+    if FOLD:
+        w = tl.load(w_ptr + (r // heads) * w_s0 + (r % heads) * w_s1, mask=live, other=0.0)
+        tl.store(w_out_ptr + r, (w * scale) * w_const, mask=live)
 
 
-def launch_fwht_quant(q2d, codes, scale, fp8_dtype, round_scale=True):
+def launch_fwht_quant(q2d, codes, scale, fp8_dtype, round_scale=True, weights=None, w_out=None):
     """Launch ``_fwht_quant_kernel``: ``q2d [rows, 128]`` bf16 (unit inner stride) into
-    ``codes [rows, 128]`` uint8 and ``scale [rows]`` fp32 (both contiguous)."""
+    ``codes [rows, 128]`` uint8 and ``scale [rows]`` fp32 (both contiguous); with
+    ``weights [rows // H, H]`` fp32, also the folded weights into ``w_out [rows]`` fp32."""
     rows = q2d.shape[0]
     if rows == 0:
         return
+    fold = weights is not None
+    heads = weights.shape[1] if fold else 1
     _fwht_quant_kernel[(triton.cdiv(rows, BLOCK_ROWS),)](
         q2d, q2d.stride(0), codes, scale, rows,
+        weights if fold else scale, weights.stride(0) if fold else 0, weights.stride(1) if fold else 0, heads,
+        w_out if fold else scale, reference.head_weight_scale(heads),
         BR=BLOCK_ROWS, FP8_MAX=fp8_max(fp8_dtype), FNUZ=fp8_dtype == torch.float8_e4m3fnuz,
-        ROUND_SCALE=round_scale, NATIVE_FP8=native_fp8(q2d.device, fp8_dtype), enable_fp_fusion=False,
+        ROUND_SCALE=round_scale, NATIVE_FP8=native_fp8(q2d.device, fp8_dtype), FOLD=fold, enable_fp_fusion=False,
     )
 
 
@@ -85,3 +96,39 @@ def fwht128_quant_fp8(q, fp8_dtype=None, round_scale=True):
     scale = torch.empty((rows,), dtype=torch.float32, device=device)
     launch_fwht_quant(q2d, codes, scale, fp8_dtype, round_scale)
     return codes.view(fp8_dtype).reshape(*lead, HEAD_DIM), scale.reshape(*lead, 1)
+
+
+def quantize_queries(q, weights, *, fp8_dtype=None, round_scale=True):
+    """``fwht128_quant_fp8(q)`` and the folded head weights of the same rows, in one launch.
+
+    Parameters
+    ----------
+    q : bf16 ``[..., H, 128]`` unrotated queries.
+    weights : fp32 ``[..., H]`` raw head weights (same leading dims; any strides).
+    fp8_dtype, round_scale : as ``fwht128_quant_fp8``.
+
+    Returns
+    -------
+    ``(q_fp8 [..., H, 128], q_scale [..., H, 1] fp32, w [..., H] fp32)`` with ``w`` =
+    ``reference.fold_head_weights(weights, q_scale)``, bit for bit.
+    """
+    check_tensor("q", q, dtype=torch.bfloat16)
+    if q.ndim < 2 or q.shape[-1] != HEAD_DIM:
+        raise ValueError(f"q must have shape [..., H, {HEAD_DIM}], got {list(q.shape)}")
+    check_tensor("weights", weights, dtype=torch.float32, shape=tuple(q.shape[:-1]), device=q.device)
+    if backend_for(q.device) == "torch" or weights.numel() == 0:
+        q8, q_scale = fwht128_quant_fp8(q, fp8_dtype=fp8_dtype, round_scale=round_scale)
+        return q8, q_scale, reference.fold_head_weights(weights, q_scale)
+    if not isinstance(round_scale, bool):
+        raise TypeError(f"round_scale must be a bool, got {type(round_scale).__name__}")
+    fp8_dtype = resolve_fp8_dtype(fp8_dtype, q.device)
+    lead, heads = tuple(q.shape[:-1]), q.shape[-2]
+    q2d = q.reshape(-1, HEAD_DIM)
+    if q2d.stride(1) != 1:
+        q2d = q2d.contiguous()
+    rows = q2d.shape[0]
+    codes = torch.empty((rows, HEAD_DIM), dtype=torch.uint8, device=q.device)
+    scale = torch.empty((rows,), dtype=torch.float32, device=q.device)
+    w = torch.empty((rows,), dtype=torch.float32, device=q.device)
+    launch_fwht_quant(q2d, codes, scale, fp8_dtype, round_scale, weights.reshape(-1, heads), w)
+    return codes.view(fp8_dtype).reshape(*lead, HEAD_DIM), scale.reshape(*lead, 1), w.reshape(lead)
