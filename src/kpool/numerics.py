@@ -53,9 +53,10 @@ def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     bb = s - p
     err = (p - (s - bb)) + (cd - bb)
     f = s.to(_F32)
-    up = s > f.to(_F64)
+    fd = f.to(_F64)
+    up = s > fd
     g = torch.nextafter(f, torch.where(up, _c(float("inf"), f), _c(float("-inf"), f)))
-    on_midpoint = (s != f.to(_F64)) & (s == (f.to(_F64) + g.to(_F64)) * 0.5) & (err != 0)
+    on_midpoint = (s != fd) & (s == (fd + g.to(_F64)) * 0.5) & (err != 0)
     return torch.where(on_midpoint & ((err > 0) == up), g, f)
 
 

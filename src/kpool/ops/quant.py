@@ -45,7 +45,7 @@ def _fwht_quant_kernel(q_ptr, q_row_stride, codes_ptr, scale_ptr, n_rows,
 def launch_fwht_quant(q2d, codes, scale, fp8_dtype, round_scale=True, weights=None, w_out=None):
     """Launch ``_fwht_quant_kernel``: ``q2d [rows, 128]`` bf16 (unit inner stride) into
     ``codes [rows, 128]`` uint8 and ``scale [rows]`` fp32 (both contiguous); with
-    ``weights [rows // H, H]`` fp32, also the folded weights into ``w_out [rows]`` fp32."""
+    ``weights [rows // H, H]`` fp32, also the folded weights into ``w_out`` (``rows`` contiguous fp32)."""
     rows = q2d.shape[0]
     if rows == 0:
         return
@@ -80,22 +80,8 @@ def fwht128_quant_fp8(q, fp8_dtype=None, round_scale=True):
     check_tensor("q", q, dtype=torch.bfloat16)
     if q.ndim < 1 or q.shape[-1] != HEAD_DIM:
         raise ValueError(f"q must have shape [..., {HEAD_DIM}], got {list(q.shape)}")
-    if not isinstance(round_scale, bool):
-        raise TypeError(f"round_scale must be a bool, got {type(round_scale).__name__}")
-    device = q.device
-    fp8_dtype = resolve_fp8_dtype(fp8_dtype, device)
-    lead = tuple(q.shape[:-1])
-    q2d = q.reshape(-1, HEAD_DIM)
-    if q2d.stride(1) != 1:
-        q2d = q2d.contiguous()
-    if backend_for(device) == "torch":
-        codes, scale = reference.fwht128_quant_fp8(q2d, fp8_dtype, round_scale)
-        return codes.reshape(*lead, HEAD_DIM), scale.reshape(*lead, 1)
-    rows = q2d.shape[0]
-    codes = torch.empty((rows, HEAD_DIM), dtype=torch.uint8, device=device)
-    scale = torch.empty((rows,), dtype=torch.float32, device=device)
-    launch_fwht_quant(q2d, codes, scale, fp8_dtype, round_scale)
-    return codes.view(fp8_dtype).reshape(*lead, HEAD_DIM), scale.reshape(*lead, 1)
+    q_fp8, q_scale, _ = _quantize(q, fp8_dtype, round_scale)
+    return q_fp8, q_scale
 
 
 def quantize_queries(q, weights, *, fp8_dtype=None, round_scale=True):
@@ -116,19 +102,28 @@ def quantize_queries(q, weights, *, fp8_dtype=None, round_scale=True):
     if q.ndim < 2 or q.shape[-1] != HEAD_DIM:
         raise ValueError(f"q must have shape [..., H, {HEAD_DIM}], got {list(q.shape)}")
     check_tensor("weights", weights, dtype=torch.float32, shape=tuple(q.shape[:-1]), device=q.device)
-    if backend_for(q.device) == "torch" or weights.numel() == 0:
-        q8, q_scale = fwht128_quant_fp8(q, fp8_dtype=fp8_dtype, round_scale=round_scale)
-        return q8, q_scale, reference.fold_head_weights(weights, q_scale)
+    return _quantize(q, fp8_dtype, round_scale, weights)
+
+
+def _quantize(q, fp8_dtype, round_scale, weights=None):
+    """Body of ``fwht128_quant_fp8`` / ``quantize_queries`` (``q`` already checked):
+    ``(q_fp8 [..., 128], q_scale [..., 1], folded weights [...] or None)``."""
     if not isinstance(round_scale, bool):
         raise TypeError(f"round_scale must be a bool, got {type(round_scale).__name__}")
-    fp8_dtype = resolve_fp8_dtype(fp8_dtype, q.device)
-    lead, heads = tuple(q.shape[:-1]), q.shape[-2]
+    device = q.device
+    fp8_dtype = resolve_fp8_dtype(fp8_dtype, device)
+    lead = tuple(q.shape[:-1])
     q2d = q.reshape(-1, HEAD_DIM)
     if q2d.stride(1) != 1:
         q2d = q2d.contiguous()
-    rows = q2d.shape[0]
-    codes = torch.empty((rows, HEAD_DIM), dtype=torch.uint8, device=q.device)
-    scale = torch.empty((rows,), dtype=torch.float32, device=q.device)
-    w = torch.empty((rows,), dtype=torch.float32, device=q.device)
-    launch_fwht_quant(q2d, codes, scale, fp8_dtype, round_scale, weights.reshape(-1, heads), w)
-    return codes.view(fp8_dtype).reshape(*lead, HEAD_DIM), scale.reshape(*lead, 1), w.reshape(lead)
+    if backend_for(device) == "torch":
+        codes, scale = reference.fwht128_quant_fp8(q2d, fp8_dtype, round_scale)
+        w = None if weights is None else reference.fold_head_weights(weights, scale)
+    else:
+        rows = q2d.shape[0]
+        codes = torch.empty((rows, HEAD_DIM), dtype=torch.uint8, device=device).view(fp8_dtype)
+        scale = torch.empty((rows,), dtype=torch.float32, device=device)
+        w = None if weights is None else torch.empty(lead, dtype=torch.float32, device=device)
+        launch_fwht_quant(q2d, codes.view(torch.uint8), scale, fp8_dtype, round_scale,
+                          None if weights is None else weights.reshape(-1, weights.shape[-1]), w)
+    return codes.reshape(*lead, HEAD_DIM), scale.reshape(*lead, 1), w
