@@ -225,17 +225,18 @@ def pool_vector(k_ptr, g_ptr, k_off, g_off, k_step, g_step,
     exp, denominator and weighted sum. Returns fp32 ``[BN, 128]``.
     """
     top = tl.full((BN, 128), float("-inf"), tl.float32)
+    keys = ()
     for s in tl.static_range(P):
         ring_row = ring_off + ((ring_pos0 + s) % RING) * 128
         g = load_slot(g_ptr, g_off + s * g_step, ring_ptr, ring_row + ring_head, s < n_ring, live, d, HAS_RING)
+        keys = keys + (load_slot(k_ptr, k_off + s * k_step, ring_ptr, ring_row, s < n_ring, live, d, HAS_RING),)
         top = tl.maximum(top, slot_logit(g, ape_ptr, ape_stride, s, d))
     acc = tl.zeros((BN, 128), tl.float32)
     den = tl.zeros((BN, 128), tl.float32)
     for s in tl.static_range(P):
         ring_row = ring_off + ((ring_pos0 + s) % RING) * 128
         g = load_slot(g_ptr, g_off + s * g_step, ring_ptr, ring_row + ring_head, s < n_ring, live, d, HAS_RING)
-        k = load_slot(k_ptr, k_off + s * k_step, ring_ptr, ring_row, s < n_ring, live, d, HAS_RING)
-        acc, den = pool_accumulate(acc, den, slot_logit(g, ape_ptr, ape_stride, s, d), top, k)
+        acc, den = pool_accumulate(acc, den, slot_logit(g, ape_ptr, ape_stride, s, d), top, keys[s])
     return pool_finish(acc, den)
 
 
