@@ -127,19 +127,35 @@ def block_logits(q0, q1, q2, q_nan, w, codes, kscale, lut_ptr, BN: tl.constexpr,
 
 
 @triton.jit
-def paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_row_ptr, pt_sp, j, n_vis,
-               PAGE: tl.constexpr, PRESHUFFLE: tl.constexpr):
-    """Entries of pools ``j [BN]`` of one row's page table ``pt_row_ptr`` (stride ``pt_sp``):
-    ``(codes [BN, 128] uint8, kscale [BN] fp32, ok [BN])``, ``ok`` = visible (``j < n_vis``)
-    and on a page inside ``[0, num_pages)``; entries not ``ok`` are not read (zeros)."""
+def paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_row_ptr, pt_sp, j0, n_vis,
+               PAGE: tl.constexpr, BN: tl.constexpr, PRESHUFFLE: tl.constexpr):
+    """Entries of pools ``j0 .. j0 + BN - 1`` (``j0`` a multiple of ``BN``) of one row's page
+    table ``pt_row_ptr`` (stride ``pt_sp``): ``(codes [BN, 128] uint8, kscale [BN] fp32,
+    ok [BN])``, ``ok`` = visible (``j < n_vis``) and on a page inside ``[0, num_pages)``;
+    entries not ``ok`` are not read (zeros).
+
+    When ``PAGE % BN == 0`` the tile lies in one page: one page-table load, a scalar page
+    base and int32 in-page offsets; otherwise a page lookup per pool."""
     d = tl.arange(0, 128)
-    pg = tl.load(pt_row_ptr + (j // PAGE) * pt_sp, mask=j < n_vis, other=-1).to(tl.int64)
-    ok = (j < n_vis) & (pg >= 0) & (pg < num_pages)
-    state = j % PAGE
-    base = tl.where(ok, pg, 0) * page_stride  # [BN] page byte offsets
-    kscale = tl.load(kv_f32_ptr + (base + PAGE * 128) // 4 + state, mask=ok, other=0.0)
-    codes = tl.load(kv_ptr + base[:, None] + _jit.key_offset(state[:, None], d[None, :], PRESHUFFLE),
-                    mask=ok[:, None], other=0)
+    j = j0 + tl.arange(0, BN)
+    if PAGE % BN == 0:
+        # a tile past the row's visible pools reads column 0 (a row with visible pools has one)
+        pg = tl.load(pt_row_ptr + tl.where(j0 < n_vis, j0 // PAGE, 0) * pt_sp).to(tl.int64)
+        on_page = (pg >= 0) & (pg < num_pages)
+        ok = j < tl.where(on_page, n_vis, 0)  # a vector compare: the interpreter mis-broadcasts scalar masks
+        base = tl.where(on_page, pg, 0) * page_stride  # scalar page byte offset
+        state = (j0 % PAGE).to(tl.int32) + tl.arange(0, BN)
+        kscale = tl.load(kv_f32_ptr + (base + PAGE * 128) // 4 + state, mask=ok, other=0.0)
+        row_base = base
+    else:
+        pg = tl.load(pt_row_ptr + (j // PAGE) * pt_sp, mask=j < n_vis, other=-1).to(tl.int64)
+        ok = (j < n_vis) & (pg >= 0) & (pg < num_pages)
+        base = tl.where(ok, pg, 0) * page_stride  # [BN] page byte offsets
+        state = j % PAGE
+        kscale = tl.load(kv_f32_ptr + (base + PAGE * 128) // 4 + state, mask=ok, other=0.0)
+        row_base = base[:, None]
+    codes = tl.load(kv_ptr + row_base + _jit.key_offset(state[:, None], d[None, :], PRESHUFFLE), mask=ok[:, None],
+                    other=0)
     return codes, kscale, ok
 
 
@@ -172,7 +188,7 @@ def _paged_logits_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_
         q0, q1, q2, q_nan = query_limbs(q_ptr + b * q_sb + t * q_sn + hh[None, :] * q_sh
                                         + tl.arange(0, 128)[:, None], None, lut_ptr, FNUZ, NATIVE_FP8)
         codes, kscale, ok = paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_ptr + b * pt_sb, pt_sp,
-                                       j, n_vis, PAGE, PRESHUFFLE)
+                                       blk * BN, n_vis, PAGE, BN, PRESHUFFLE)
         w = tl.load(w_ptr + b * w_sb + t * w_sn + hh * w_sh)
         out = tl.reshape(paged_tile_logits(q0, q1, q2, q_nan, w, codes, kscale, ok, (j < n_vis)[:, None], lut_ptr,
                                            BN, H, 1, FNUZ, NATIVE_FP8), (BN,))

@@ -62,20 +62,22 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
         tiles = tl.arange(0, NT)
         keys = tl.full((NT, BN, ROWS), topk.NO_KEY, tl.int64)  # INT64_MIN = not seen
         pt_row = pt_ptr + b * pt_sb
-        j = chunk * NT * BN + tl.arange(0, BN)
+        j0 = chunk * NT * BN  # first pool of the tile
+        j = j0 + tl.arange(0, BN)
         n_leaf = tl.minimum(n_max, (chunk + 1) * NT * BN)  # the leaf's last pool any row sees + 1
-        codes, kscale, ok = paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_row, pt_sp, j, n_leaf,
-                                       PAGE, PRESHUFFLE)
+        codes, kscale, ok = paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_row, pt_sp, j0, n_leaf, PAGE,
+                                       BN, PRESHUFFLE)
         for i in range(NT):
             # tile i + 1's entries are loaded before tile i is scored
-            nxt = paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_row, pt_sp, j + BN, n_leaf,
-                             PAGE, PRESHUFFLE)
+            nxt = paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_row, pt_sp, j0 + BN, n_leaf,
+                             PAGE, BN, PRESHUFFLE)
             if (chunk * NT + i) * BN < n_max:
                 seen = j[:, None] < n_vis[None, :]  # [BN, ROWS]
                 x = paged_tile_logits(q0, q1, q2, q_nan, w, codes, kscale, ok, seen, lut_ptr, BN, H, ROWS, FNUZ,
                                       NATIVE_FP8)
                 keys = tl.where(tiles[:, None, None] == i, topk.pool_keys(x, j[:, None], seen)[None, :, :], keys)
             codes, kscale, ok = nxt
+            j0 += BN
             j += BN
         for r in tl.static_range(ROWS):
             if t0 + r < next_n:
