@@ -44,8 +44,9 @@ def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     ``a*b`` is exact in fp64 and TwoSum gives the fp64 sum's exact error, so the only case
     where rounding the fp64 sum to fp32 differs from rounding the exact value (double
     rounding) is a sum landing exactly on an fp32 midpoint: there the error's sign decides.
-    Overflow, underflow, infinities and NaNs come out as from an fp32 fma (a NaN's sign
-    and payload as the platform's fp64 arithmetic makes them, like its fp32 fma).
+    Overflow, underflow and infinities come out as from an fp32 fma, and NaN where it gives
+    NaN; a NaN's sign and payload are the platform's fp64 arithmetic's, which may differ from
+    the kernels' fp32 fma (CUDA's returns 0x7FFFFFFF).
     """
     p = a.to(_F64) * b.to(_F64)
     cd = c.to(_F64)
