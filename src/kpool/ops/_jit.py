@@ -222,7 +222,8 @@ def pool_vector(k_ptr, g_ptr, k_off, g_off, k_step, g_step,
     ``(ring_pos0[i] + s) % RING``, gates ``ring_head`` elements further) when
     ``HAS_RING`` and ``s < n_ring[i]``, else from the token rows ``k_off[i] + s*k_step``
     and ``g_off[i] + s*g_step``. Two passes in slot order: the max of the logits, then
-    exp, denominator and weighted sum. Returns fp32 ``[BN, 128]``.
+    exp, denominator and weighted sum. The key rows are loaded in the first pass (a tuple),
+    so their loads are in flight before the second pass needs them. Returns fp32 ``[BN, 128]``.
     """
     top = tl.full((BN, 128), float("-inf"), tl.float32)
     keys = ()
