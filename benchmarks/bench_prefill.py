@@ -7,11 +7,11 @@ cache and ring state: every complete pool written, each request's last ``min(len
 tokens in its ring (the seed's seeding rule). Metadata is built on the host outside the
 timed region (plan/run split) and shared by the rotated input sets.
 
-* ``ours``: the two launches ``KPoolCache.prefill`` makes, without its host planning:
-  ``kpool.ops.compress.compress_token_pools`` (pools read straight from the token rows,
-  ``meta [n_pools, 4]``) + ``kpool.ops.tail.seed_requests``.
-  HOOK (lead): if ``KPoolCache.prefill``'s fused path changes (one launch for pools and
-  rings, other metadata), change ``_ours_fn`` below; nothing else here depends on it.
+* ``ours``: the launch ``KPoolCache.prefill`` makes, without its host planning:
+  ``kpool.ops.prefill.write_prefill`` (pools read straight from the token rows, ``pools
+  [n_pools, 2]``, and one program per request seeding its ring, ``requests [R, 8]``).
+  HOOK (lead): if ``KPoolCache.prefill``'s write changes (other launches, other metadata),
+  change ``_ours_fn`` below; nothing else here depends on it.
 * ``ours_gathered``: pools gathered (``index_select`` copy) + ``kpool_compress_and_write_cache``
   + ``seed_requests``: what our kernels give through the seed-compatible API.
 * ``seed``: the seed used as well as it can be: complete pools gathered + its
@@ -19,11 +19,11 @@ timed region (plan/run split) and shared by the rotated input sets.
 * ``seed_upstream``: the upstream serving call pattern (SPEC reference/upstream_kpool.md
   §6.1): one window per token, ``k[idx]`` with ``idx[i, j] = max(i-(P-1), 0) + j``,
   compress all ``T`` windows with ``write_mask`` on pool-completing tokens, then seed.
-* ``torch``: ``kpool.reference.compress_token_pools`` + ``reference.seed_requests`` (eager).
+* ``torch``: ``kpool.reference.write_prefill`` (eager).
 
 Bytes (single-pass floor): each token's key and gate read once (``T*512``), each pool entry
 written once (``n_pools*132``), each seeded ring row written once (``kept*512``, ~0.1%).
-Metadata (``meta``/``loc``/``idx``/``tslot``) is not counted.
+Metadata (``pools``/``requests``/``loc``/``idx``/``tslot``) is not counted.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ TITLE = "prefill write (token-major)"
 PAGE = 64
 HEAD = 128
 FP8 = torch.float8_e4m3fn
-HOOK = ("bench_prefill._ours_fn: times compress_token_pools + seed_requests (the launches of "
-        "KPoolCache.prefill); update it if the fused prefill path changes")
+HOOK = ("bench_prefill._ours_fn: times write_prefill (the launch of KPoolCache.prefill); update it if "
+        "KPoolCache.prefill's write changes")
 
 
 def cases(mode):
@@ -75,7 +75,6 @@ def plan(r, t, p, seed=12345):
     req = torch.repeat_interleave(torch.arange(r), n_pools)
     m = torch.arange(int(n_pools.sum())) - torch.repeat_interleave(torch.cumsum(n_pools, 0) - n_pools, n_pools)
     first_row = starts[req] + m * p
-    meta = torch.stack((first_row, blocks[req], m * p, torch.zeros_like(m)), 1).to(torch.int64)
     loc = (page_perm[page_base[req] + m // PAGE] * PAGE + m % PAGE).to(torch.int64)
     idx = first_row[:, None] + torch.arange(p)
     tok_req = torch.repeat_interleave(torch.arange(r), lens)
@@ -83,13 +82,16 @@ def plan(r, t, p, seed=12345):
     tslot = (blocks[tok_req] * p + pos % p).to(torch.int32)
     keep = lens.clamp(max=p)
     seeds = torch.stack((edges[1:], lens, blocks, keep), 1).to(torch.int64)
+    no_head = torch.tensor([0, 0, 0, -1]).expand(r, 4)  # fresh requests: no pool starts in a ring
+    requests = torch.cat((seeds, no_head), 1)
     # upstream window pattern: one window per token, written where the token completes a pool
     win = (torch.arange(t) - (p - 1)).clamp(min=0)[:, None] + torch.arange(p)
     done = (pos + 1) % p == 0
-    tok_pool = torch.cumsum(done.to(torch.int64), 0) - 1  # pool index (in meta order) of a completing token
+    tok_pool = torch.cumsum(done.to(torch.int64), 0) - 1  # pool index (in pools order) of a completing token
     slot_map = torch.where(done, loc[tok_pool.clamp(min=0)], -1)
     wmask = done & (slot_map >= 0) & (torch.arange(t) >= p - 1)
-    return {"meta": meta, "loc": loc, "idx": idx.reshape(-1), "tslot": tslot, "seeds": seeds, "num_pages": num_pages,
+    return {"loc": loc, "pools": torch.stack((first_row, loc), 1).to(torch.int64),
+            "requests": requests, "idx": idx.reshape(-1), "tslot": tslot, "seeds": seeds, "num_pages": num_pages,
             "n_pools": int(n_pools.sum()), "kept": int(keep.sum()), "win": win.reshape(-1), "slot_map": slot_map,
             "wmask": wmask}
 
@@ -104,14 +106,12 @@ def make_inputs(ctx, r, t, p, num_pages, i):
 
 
 def _ours_fn(md, p):
-    """HOOK: the fused prefill write of ``KPoolCache.prefill`` (its two launches)."""
-    from kpool.ops.compress import compress_token_pools
-    from kpool.ops.tail import seed_requests
-    meta, loc, seeds = md["meta"], md["loc"], md["seeds"]
+    """HOOK: the prefill write of ``KPoolCache.prefill`` (one launch)."""
+    from kpool.ops.prefill import write_prefill
+    pools, requests = md["pools"], md["requests"]
 
     def fn(kv, tail, key, gate, ape):
-        compress_token_pools(kv, tail, key, gate, ape, meta, loc, p, layout="plain", fp8_dtype=FP8)
-        seed_requests(tail, key, gate, seeds, p)
+        write_prefill(kv, tail, key, gate, ape, pools, requests, p, layout="plain", fp8_dtype=FP8)
     return fn
 
 
@@ -120,7 +120,7 @@ def _fn(ctx, impl, md, p):
     from kpool import reference
     from kpool.ops.tail import seed_requests
     n = md["n_pools"]
-    meta, loc, idx, tslot, seeds = md["meta"], md["loc"], md["idx"], md["tslot"], md["seeds"]
+    loc, idx, tslot, seeds = md["loc"], md["idx"], md["tslot"], md["seeds"]
     if impl == "ours":
         return _ours_fn(md, p)
     if impl == "ours_gathered":
@@ -151,9 +151,10 @@ def _fn(ctx, impl, md, p):
             seed.kpool_seed_tail_cache(tail, key, gate, tslot, p)
         return fn
     if impl == "torch":
+        pools, requests = md["pools"], md["requests"]
+
         def fn(kv, tail, key, gate, ape):
-            reference.compress_token_pools(kv, tail, key, gate, ape, meta, loc, p, FP8, "plain")
-            reference.seed_requests(tail, key, gate, seeds)
+            reference.write_prefill(kv, tail, key, gate, ape, pools, requests, p, FP8, "plain")
         return fn
     raise ValueError(impl)
 
@@ -169,8 +170,7 @@ def bench(ctx, case, impl):
         a = make_inputs(ctx, r, t, p, md["num_pages"], 99)
         kv, tail, key, gate, ape = ctx.cpu(*a)
         fn(*a)
-        reference.compress_token_pools(kv, tail, key, gate, ape, *ctx.cpu(md["meta"], md["loc"]), p, FP8, "plain")
-        reference.seed_requests(tail, key, gate, ctx.cpu(md["seeds"]))
+        reference.write_prefill(kv, tail, key, gate, ape, *ctx.cpu(md["pools"], md["requests"]), p, FP8, "plain")
         dk, dt = int((a[0].cpu() != kv).sum()), int((a[1].cpu() != tail).sum())
         extra.update(exact=dk == 0 and dt == 0,
                      exact_note=f"cache and ring vs the torch reference on the CPU: {dk} cache bytes, "

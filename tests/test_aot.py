@@ -65,9 +65,10 @@ AOT_SPECS = {"_native_fp8_kernel": KernelSpec(
 """
 
 # kernels with a NATIVE_FP8 choice: the fp8 writers (encoder) and the scorers (decoder)
-FP8_KERNELS = ("_compress_kernel", "_decode_update_kernel", "_fwht_quant_kernel", "_paged_logits_kernel",
-               "_ragged_logits_kernel", "_paged_topk_kernel")
-FP8_MODULES = ["kpool.ops.compress", "kpool.ops.decode", "kpool.ops.quant", "kpool.ops.logits", "kpool.ops.score"]
+FP8_KERNELS = ("_compress_kernel", "_prefill_kernel", "_decode_update_kernel", "_fwht_quant_kernel",
+               "_paged_logits_kernel", "_ragged_logits_kernel", "_paged_topk_kernel")
+FP8_MODULES = ["kpool.ops.compress", "kpool.ops.prefill", "kpool.ops.decode", "kpool.ops.quant", "kpool.ops.logits",
+               "kpool.ops.score"]
 
 
 def _fake_module(tmp_path, monkeypatch, name, source):

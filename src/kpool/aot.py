@@ -191,15 +191,24 @@ _PAGE = axis("PAGE", (64, 32))  # SPEC.md: PAGE is 32 or 64 in practice
 def _compress_specs(m):
     return {"_compress_kernel": KernelSpec(
         ptrs=dict(kv_ptr="u8", kv_f32_ptr="fp32", k_ptr="bf16", g_ptr="bf16", ape_ptr="fp32", loc_ptr="i64",
-                  mask_ptr="i1", codes_ptr="u8", scale_ptr="fp32", meta_ptr="i64", ring_ptr="bf16"),
-        # token pools (no ring, RING = P) and ring-fed pools with RING = P and RING > P
-        cross=([dict(HAS_META=False, **pr) for pr in pool_ring_axis() if pr["RING"] == pr["P"]]
-               + [dict(HAS_META=True, **pr) for pr in pool_ring_axis()],
-               layout_axis(), fp8_axis("FP8_MAX", "FNUZ")),
+                  mask_ptr="i1", codes_ptr="u8", scale_ptr="fp32"),
+        cross=(pool_axis(), layout_axis(), fp8_axis("FP8_MAX", "FNUZ")),
         cycle=(flag("ROUND_SCALE"), flag("HAS_MASK"), _PAGE,
                [dict(WRITE_CACHE=True, RETURN_COMPRESSED=False), dict(WRITE_CACHE=False, RETURN_COMPRESSED=True),
                 dict(WRITE_CACHE=True, RETURN_COMPRESSED=True)]),
         derive=lambda c: dict(BN=m.BLOCK_POOLS.get(c["P"], 1)),  # as launch_compress on a GPU
+        target_derive=native_fp8_param,
+        options=dict(enable_fp_fusion=False, num_warps=m.NUM_WARPS))}
+
+
+def _prefill_specs(m):
+    from .ops.compress import BLOCK_POOLS
+    return {"_prefill_kernel": KernelSpec(
+        ptrs=dict(kv_ptr="u8", kv_f32_ptr="fp32", tail_ptr="bf16", key_ptr="bf16", g_ptr="bf16", ape_ptr="fp32",
+                  pool_ptr="i64", req_ptr="i64"),
+        cross=(pool_ring_axis(), layout_axis(), fp8_axis("FP8_MAX", "FNUZ")),
+        cycle=(flag("ROUND_SCALE"), _PAGE),
+        derive=lambda c: dict(BN=BLOCK_POOLS.get(c["P"], 1), KEEP=c["P"]),  # as write_prefill on a GPU
         target_derive=native_fp8_param,
         options=dict(enable_fp_fusion=False, num_warps=m.NUM_WARPS))}
 
@@ -341,6 +350,7 @@ def _score_specs(m):
 
 SPECS = {  # module (relative to kpool) -> builder
     "ops.compress": _compress_specs,
+    "ops.prefill": _prefill_specs,
     "ops.decode": _decode_specs,
     "ops.tail": _tail_specs,
     "ops.quant": _quant_specs,

@@ -27,12 +27,11 @@ import torch
 
 from ._checks import check_positive_int, check_tensor
 from .layout import (ENTRY_BYTES, HEAD_DIM, read_entries, resolve_fp8_dtype, resolve_layout, ring_size)
-from .ops.compress import compress_token_pools
 from .ops.decode import kpool_decode_update_and_maybe_write_cache_batched
 from .ops.logits import SUPPORTED_HEADS
+from .ops.prefill import REQUEST_FIELDS, write_prefill
 from .ops.quant import quantize_queries
 from .ops.select import expand_pools_and_append_tail
-from .ops.tail import seed_requests
 from .ops.score import paged_pool_topk
 
 LOGITS_BUDGET_ENV = "KPOOL_LOGITS_BUDGET_MB"
@@ -209,7 +208,7 @@ class KPoolCache:
         starts = [self._requests[r].length if r in self._requests else 0 for r in request_ids]
         self._reserve(request_ids, new_ids, [s + n for s, n in zip(starts, lengths)])
         p = self.pool_size
-        meta, locs, seeds, positions, slots, tslots = [], [], [], [], [], []
+        meta, locs, heads, positions, slots, tslots = [], [], [], [], [], []
         for rid, (row0, row1), a in zip(request_ids, bounds, starts):
             req = self._requests[rid]
             b = a + (row1 - row0)
@@ -217,7 +216,9 @@ class KPoolCache:
             meta.append(torch.stack((row0 + pools * p - a, torch.full_like(pools, req.block), pools * p,
                                      torch.clamp(a - pools * p, min=0)), dim=1))
             locs.append(self._pool_locs(req, pools))
-            seeds.append((row1, b, req.block, min(b - a, b % p)))
+            head = a % p != 0 and b // p > a // p  # completes the pool it starts in: slots from the ring
+            heads.append([row1, b, req.block, min(b - a, b % p)]
+                         + ([row0 - a % p, a - a % p, a % p, int(locs[-1][0])] if head else [0, 0, 0, -1]))
             pos, slot, tslot = self._token_slots(req, a, b)
             positions.append(pos)
             slots.append(slot)
@@ -226,11 +227,13 @@ class KPoolCache:
         dev = self.device
         cat = lambda parts, width=None: (torch.cat(parts) if parts else  # noqa: E731
                                          torch.empty((0,) if width is None else (0, width), dtype=torch.int64))
-        meta_t = cat(meta, 4).to(dev)
-        locs_t = cat(locs).to(dev)
-        compress_token_pools(self.kv_cache, self.tail, key, gate, self.ape, meta_t, locs_t, p, layout=self.layout,
-                             fp8_dtype=self.fp8_dtype, round_scale=self.round_scale)
-        seed_requests(self.tail, key, gate, torch.tensor(seeds, dtype=torch.int64, device=dev).reshape(-1, 4), p)
+        meta_t, locs_t = cat(meta, 4), cat(locs)
+        inside = meta_t[:, 3] == 0  # the head pools are written by their request's program
+        write_prefill(self.kv_cache, self.tail, key, gate, self.ape,
+                      torch.stack((meta_t[inside, 0], locs_t[inside]), 1).to(dev),
+                      torch.tensor(heads, dtype=torch.int64).reshape(-1, REQUEST_FIELDS).to(dev), p,
+                      layout=self.layout, fp8_dtype=self.fp8_dtype, round_scale=self.round_scale)
+        meta_t, locs_t = meta_t.to(dev), locs_t.to(dev)
         cu = [0]
         for n in lengths:
             cu.append(cu[-1] + n)

@@ -50,6 +50,19 @@ def compress_token_pools(kv_cache, tail, key, gate, ape, meta, loc, pool_size, f
     compress_and_write(kv_cache, keys, gates, ape, loc, None, fp8_dtype, layout, round_scale)
 
 
+def write_prefill(kv_cache, tail, key, gate, ape, pools, requests, pool_size, fp8_dtype, layout, round_scale=True):
+    """Reference of ``ops.prefill.write_prefill``: the pools inside their chunk, each request's
+    head pool (``requests[:, 4:8]``, when it reads the ring), then the rings are seeded."""
+    n = pools.shape[0]
+    zero = torch.zeros(n, dtype=torch.int64, device=pools.device)
+    compress_token_pools(kv_cache, tail, key, gate, ape, torch.stack((pools[:, 0], zero, zero, zero), 1), pools[:, 1],
+                         pool_size, fp8_dtype, layout, round_scale)
+    head = requests[requests[:, 6] > 0]
+    compress_token_pools(kv_cache, tail, key, gate, ape, head[:, [4, 2, 5, 6]], head[:, 7], pool_size, fp8_dtype,
+                         layout, round_scale)
+    seed_requests(tail, key, gate, requests[:, :4])
+
+
 def decode_update(kv_cache, tail, tail_slot_mapping, key, slot_score, ape, slot_mapping, positions,
                   pool_size, fp8_dtype, layout, round_scale=True):
     """Reference of ``kpool_decode_update_and_maybe_write_cache_batched``.
@@ -197,7 +210,7 @@ def pooled_keys(kv_cache, locs, layout):
 
 
 __all__ = [
-    "compress_and_write", "compress_token_pools", "decode_update", "seed_tail", "seed_requests", "expand_pools_and_append_tail",
+    "compress_and_write", "compress_token_pools", "write_prefill", "decode_update", "seed_tail", "seed_requests", "expand_pools_and_append_tail",
     "expand_pools_to_tokens", "append_tail_to_topk", "build_pooled_page_table",
     "compute_pooled_write_locs", "pooled_keys", "HEAD_DIM",
 ]

@@ -180,22 +180,33 @@ def store_entries(kv_ptr, kv_f32_ptr, page_stride, loc, ok, codes, scale, d,
 
 
 @triton.jit
+def encode_and_store(kv_ptr, kv_f32_ptr, page_stride, x, loc, ok, d, BN: tl.constexpr, PAGE: tl.constexpr,
+                     PRESHUFFLE: tl.constexpr, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr,
+                     ROUND_SCALE: tl.constexpr, NATIVE_FP8: tl.constexpr):
+    """SPEC §2 steps 3-5 of pooled ``x [BN, 128]``: rotate, quantize, write at flat slots ``loc`` where ``ok``."""
+    codes, scale = quantize(rotate(x, BN), FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)
+    store_entries(kv_ptr, kv_f32_ptr, page_stride, loc, ok, codes, scale, d, PAGE, PRESHUFFLE)
+
+
+@triton.jit
 def load_slot(ptr, tok_off, ring_ptr, ring_row, in_ring, live, d, HAS_RING: tl.constexpr):
     """fp32 ``[BN, 128]`` rows of one pool slot: token rows at element offsets ``tok_off``,
-    or (``HAS_RING`` and ``in_ring``) ring rows at ``ring_row``; rows not ``live`` read 0."""
+    or (``HAS_RING`` and ``in_ring``) ring rows at ``ring_row``; rows not ``live`` read 0.
+    One load either way: each row's base pointer is chosen before the load."""
     if HAS_RING:
-        x = tl.load(ptr + tok_off[:, None] + d[None, :], mask=(live & ~in_ring)[:, None], other=0.0)
-        xr = tl.load(ring_ptr + ring_row[:, None] + d[None, :], mask=(live & in_ring)[:, None], other=0.0)
-        x = tl.where(in_ring[:, None], xr.to(tl.float32), x.to(tl.float32))
+        row = tl.where(in_ring, ring_ptr + ring_row, ptr + tok_off)
     else:
-        x = tl.load(ptr + tok_off[:, None] + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-    return x
+        row = ptr + tok_off
+    return tl.load(row[:, None] + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
 
 
 @triton.jit
 def slot_logit(g, ape_ptr, ape_stride, s, d):
-    """Pooling logit of slot ``s``: gate + ape[s] (fp32 ``[BN, 128]``)."""
-    return g + tl.load(ape_ptr + s * ape_stride + d)[None, :]
+    """Pooling logit of slot ``s``: gate + ape[s] (fp32 ``[BN, 128]``). ape is loaded as a
+    ``[BN, 128]`` tile (every row the same), in the gate's layout: a ``[128]`` load broadcast
+    to the rows costs a shuffle and a select per element on the GPU."""
+    rows = tl.zeros_like(g).to(tl.int32)
+    return g + tl.load(ape_ptr + s * ape_stride + d[None, :] + rows)
 
 
 @triton.jit
@@ -249,3 +260,16 @@ def copy_rows_to_ring(tail_ptr, tail_head, dst_row, key_ptr, k_row, g_ptr, g_row
     g = tl.load(g_ptr + g_row[:, None] + d[None, :], mask=m)
     tl.store(tail_ptr + dst_row[:, None] + d[None, :], k, mask=m)
     tl.store(tail_ptr + tail_head + dst_row[:, None] + d[None, :], g, mask=m)
+
+
+@triton.jit
+def seed_ring(tail_ptr, tail_block_stride, tail_head, key_ptr, key_stride, g_ptr, g_stride,
+              end_row, end_pos, block, n_keep, d, RING: tl.constexpr, KEEP: tl.constexpr):
+    """Copy token rows ``[end_row - n_keep, end_row)`` (positions ``[end_pos - n_keep, end_pos)``)
+    to ring slots ``pos % RING`` of ``block`` (``n_keep <= KEEP``; ``block < 0`` copies nothing)."""
+    j = tl.arange(0, KEEP)
+    take = j < tl.where(block >= 0, n_keep, 0)
+    back = n_keep - j  # 1..n_keep rows before the end
+    dst = block * tail_block_stride + ((end_pos - back) % RING) * 128
+    copy_rows_to_ring(tail_ptr, tail_head, dst, key_ptr, (end_row - back) * key_stride,
+                      g_ptr, (end_row - back) * g_stride, take, d)

@@ -1,9 +1,8 @@
 """Complete pools -> fp8 cache entries (prefill, chunked prefill).
 
 ``kpool_compress_and_write_cache`` is the seed-compatible entry point (pools gathered as
-``[n_pools, P, 128]``, any strides, token-major windows included). ``compress_token_pools``
-reads pools straight from token-major ``[T, 128]`` keys and gates, with the leading slots
-of a pool optionally taken from the tail ring (a chunk that starts mid-pool).
+``[n_pools, P, 128]``, any strides, token-major windows included). ``KPoolCache.prefill``
+writes through ``ops.prefill``, which shares this module's tile sizes.
 """
 
 from __future__ import annotations
@@ -30,37 +29,17 @@ INTERPRETER_BLOCK_POOLS = 16
 @triton.jit
 def _compress_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
                      k_ptr, g_ptr, k_pool_stride, k_slot_stride, g_pool_stride, g_slot_stride,
-                     ape_ptr, ape_stride, loc_ptr, mask_ptr, codes_ptr, scale_ptr,
-                     meta_ptr, ring_ptr, ring_block_stride, ring_head, n_pools,
-                     P: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr, BN: tl.constexpr,
+                     ape_ptr, ape_stride, loc_ptr, mask_ptr, codes_ptr, scale_ptr, n_pools,
+                     P: tl.constexpr, PAGE: tl.constexpr, BN: tl.constexpr,
                      PRESHUFFLE: tl.constexpr, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr,
-                     ROUND_SCALE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_META: tl.constexpr,
+                     ROUND_SCALE: tl.constexpr, HAS_MASK: tl.constexpr,
                      WRITE_CACHE: tl.constexpr, RETURN_COMPRESSED: tl.constexpr, NATIVE_FP8: tl.constexpr):
-    # One program per BN pools. Pool i's slot s is at k_ptr + base_i*k_pool_stride + s*k_slot_stride
-    # (base_i = i, or meta[i, 0] = its first token row when HAS_META; leading meta[i, 3] slots
-    # then come from ring block meta[i, 1] at positions meta[i, 2] + s).
-    pid = tl.program_id(0).to(tl.int64)
-    i = pid * BN + tl.arange(0, BN)
+    # One program per BN pools; pool i's slot s is at k_ptr + i*k_pool_stride + s*k_slot_stride.
+    i = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
     d = tl.arange(0, 128)
     live = i < n_pools
-    if HAS_META:
-        row = tl.load(meta_ptr + i * 4, mask=live, other=0)
-        ring_off = tl.load(meta_ptr + i * 4 + 1, mask=live, other=0) * ring_block_stride
-        pos0 = tl.load(meta_ptr + i * 4 + 2, mask=live, other=0)
-        n_ring = tl.load(meta_ptr + i * 4 + 3, mask=live, other=0)
-    else:
-        row = i
-        ring_off = i
-        pos0 = i
-        n_ring = i
-    if HAS_META and tl.max(n_ring, axis=0) > 0:  # some pool starts in the ring (a chunk's first pool)
-        x = _jit.pool_vector(k_ptr, g_ptr, row * k_pool_stride, row * g_pool_stride, k_slot_stride, g_slot_stride,
-                             ring_ptr, ring_off, ring_head, pos0, n_ring, ape_ptr, ape_stride, d, live,
-                             BN, P, RING, True)
-    else:
-        x = _jit.pool_vector(k_ptr, g_ptr, row * k_pool_stride, row * g_pool_stride, k_slot_stride, g_slot_stride,
-                             ring_ptr, ring_off, ring_head, pos0, n_ring, ape_ptr, ape_stride, d, live,
-                             BN, P, RING, False)
+    x = _jit.pool_vector(k_ptr, g_ptr, i * k_pool_stride, i * g_pool_stride, k_slot_stride, g_slot_stride,
+                         k_ptr, i, 0, i, i, ape_ptr, ape_stride, d, live, BN, P, P, False)
     codes, scale = _jit.quantize(_jit.rotate(x, BN), FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)
     if WRITE_CACHE:
         loc = tl.load(loc_ptr + i, mask=live, other=-1).to(tl.int64)
@@ -73,35 +52,32 @@ def _compress_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
         tl.store(scale_ptr + i, scale, mask=live)
 
 
-def launch_compress(kv_cache, k, g, k_strides, g_strides, ape, loc, n_pools, pool_size, fp8_dtype, layout,
-                    round_scale=True, write_mask=None, meta=None, tail=None, codes=None, scale=None):
-    """Launch ``_compress_kernel`` over ``n_pools`` pools (arguments already validated).
+def block_pools(pool_size: int) -> int:
+    """Pools per program of the pool writers (``BLOCK_POOLS``; the interpreter's own size on the CPU)."""
+    return INTERPRETER_BLOCK_POOLS if interpreting() else BLOCK_POOLS.get(pool_size, 1)
 
-    ``k_strides``/``g_strides``: ``(pool_stride, slot_stride)`` in elements. ``meta``:
-    optional ``[n_pools, 4]`` int64 (first token row, ring block, pool start position,
-    slots from the ring) with ``tail`` the ring; ``codes``/``scale``: optional compact outputs.
-    """
+
+def launch_compress(kv_cache, k, g, ape, loc, n_pools, pool_size, fp8_dtype, layout,
+                    round_scale=True, write_mask=None, codes=None, scale=None):
+    """Launch ``_compress_kernel`` over ``n_pools`` pools ``k``/``g [n_pools, P, 128]`` (arguments
+    already validated); ``codes``/``scale``: optional compact outputs."""
     if n_pools == 0:
         return
     write = kv_cache is not None
     cache_u8 = kv_cache if write else k  # unused pointers point at k
     cache_f32 = kv_cache.view(torch.float32) if write else k
-    block = INTERPRETER_BLOCK_POOLS if interpreting() else BLOCK_POOLS.get(pool_size, 1)
-    grid = (triton.cdiv(n_pools, block),)
-    _compress_kernel[grid](
+    block = block_pools(pool_size)
+    _compress_kernel[(triton.cdiv(n_pools, block),)](
         cache_u8, cache_f32, kv_cache.stride(0) if write else 0,
         kv_cache.shape[0] * kv_cache.shape[1] if write else 0,
-        k, g, k_strides[0], k_strides[1], g_strides[0], g_strides[1],
+        k, g, k.stride(0), k.stride(1), g.stride(0), g.stride(1),
         ape, ape.stride(0), loc if loc is not None else k, write_mask if write_mask is not None else k,
-        codes if codes is not None else k, scale if scale is not None else k,
-        meta if meta is not None else k, tail if tail is not None else k,
-        tail.stride(0) if tail is not None else 0, tail.stride(1) if tail is not None else 0, n_pools,
-        P=pool_size, RING=tail.shape[2] if tail is not None else pool_size,
-        PAGE=kv_cache.shape[1] if write else 1, BN=block,
+        codes if codes is not None else k, scale if scale is not None else k, n_pools,
+        P=pool_size, PAGE=kv_cache.shape[1] if write else 1, BN=block,
         PRESHUFFLE=layout == "preshuffle", FP8_MAX=fp8_max(fp8_dtype),
         FNUZ=fp8_dtype == torch.float8_e4m3fnuz, ROUND_SCALE=round_scale,
-        HAS_MASK=write_mask is not None, HAS_META=meta is not None,
-        WRITE_CACHE=write, RETURN_COMPRESSED=codes is not None, NATIVE_FP8=native_fp8(k.device, fp8_dtype),
+        HAS_MASK=write_mask is not None, WRITE_CACHE=write, RETURN_COMPRESSED=codes is not None,
+        NATIVE_FP8=native_fp8(k.device, fp8_dtype),
         num_warps=NUM_WARPS, enable_fp_fusion=False,
     )
 
@@ -152,36 +128,9 @@ def kpool_compress_and_write_cache(kv_cache, slot_k, slot_score, ape, loc, pool_
     if return_compressed:
         codes = torch.empty((n, HEAD_DIM), dtype=torch.uint8, device=device)
         scale = torch.empty((n,), dtype=torch.float32, device=device)
-    launch_compress(kv_cache if write_cache else None, slot_k, slot_score, slot_k.stride()[:2],
-                    slot_score.stride()[:2], ape, loc.contiguous() if write_cache else None, n, pool_size,
-                    fp8_dtype, layout, round_scale, write_mask.contiguous() if write_mask is not None else None,
-                    codes=codes, scale=scale)
+    launch_compress(kv_cache if write_cache else None, slot_k, slot_score, ape,
+                    loc.contiguous() if write_cache else None, n, pool_size, fp8_dtype, layout, round_scale,
+                    write_mask.contiguous() if write_mask is not None else None, codes=codes, scale=scale)
     if return_compressed:
         return codes.view(fp8_dtype), scale
     return None
-
-
-def compress_token_pools(kv_cache, tail, key, gate, ape, meta, loc, pool_size, *, layout, fp8_dtype,
-                         round_scale=True):
-    """Compress pools read straight from token-major keys, writing each at ``loc``, in place.
-
-    Parameters
-    ----------
-    kv_cache : uint8 ``[num_pages, PAGE, 132]``.
-    tail : bf16 ``[num_blocks, 2, RING, 128]`` ring holding tokens before a chunk's start.
-    key, gate : bf16 ``[T, 128]`` token-major rows (unit inner stride, same row stride).
-    ape : fp32 ``[P, 128]``.
-    meta : int64 ``[n_pools, 4]``: (row of the pool's slot 0 — may precede the chunk, ring block,
-        position of slot 0, number of leading slots read from the ring).
-    loc : int64 ``[n_pools]`` flat cache slots.
-    Arguments are trusted (``KPoolCache`` builds them); only the backend is chosen here.
-    """
-    n = meta.shape[0]
-    if n == 0:
-        return
-    if backend_for(key.device) == "torch":
-        reference.compress_token_pools(kv_cache, tail, key, gate, ape, meta, loc, pool_size, fp8_dtype, layout,
-                                       round_scale)
-        return
-    launch_compress(kv_cache, key, gate, (key.stride(0), key.stride(0)), (gate.stride(0), gate.stride(0)), ape, loc,
-                    n, pool_size, fp8_dtype, layout, round_scale, meta=meta, tail=tail)

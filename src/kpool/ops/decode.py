@@ -81,9 +81,8 @@ def _in_order_step(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_bl
             x = _jit.pool_vector(key_ptr, g_ptr, one + key_row, one + g_row, 0, 0,
                                  tail_ptr, one + ring_off, tail_head, one + pos - (P - 1), one + (P - 1),
                                  ape_ptr, ape_stride, d, one == 0, 1, P, RING, True)
-            codes, scale = _jit.quantize(_jit.rotate(x, 1), FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)
-            _jit.store_entries(kv_ptr, kv_f32_ptr, page_stride, one + loc, one == 0, codes, scale, d,
-                               PAGE, PRESHUFFLE)
+            _jit.encode_and_store(kv_ptr, kv_f32_ptr, page_stride, x, one + loc, one == 0, d, 1, PAGE, PRESHUFFLE,
+                                  FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)
         dst = tail_ptr + ring_off + (pos % RING) * 128 + d
         rows = d < tl.where(stash, 128, 0)  # as in _load_token: a vector mask
         tl.store(dst, k, mask=rows)
@@ -138,8 +137,8 @@ def _decode_update_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
             x = _jit.pool_vector(key_ptr, g_ptr, b * key_sb + first * key_st, b * g_sb + first * g_st, key_st, g_st,
                                  ring, 0, tail_head, pos0 + first, tl.maximum(-first, 0),
                                  ape_ptr, ape_stride, d, complete, NC, P, RING, True)
-            codes, scale = _jit.quantize(_jit.rotate(x, NC), FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)
-            _jit.store_entries(kv_ptr, kv_f32_ptr, page_stride, loc_c, complete, codes, scale, d, PAGE, PRESHUFFLE)
+            _jit.encode_and_store(kv_ptr, kv_f32_ptr, page_stride, x, loc_c, complete, d, NC, PAGE, PRESHUFFLE,
+                                  FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)
         tl.debug_barrier()  # the completions' ring reads precede the stash
         # a step longer than the ring keeps its last RING tokens
         keep = ((j < n_reg) & (j + RING >= n_reg))[:, None] & (d[None, :] < 128)

@@ -45,12 +45,8 @@ def _seed_requests_kernel(tail_ptr, tail_block_stride, tail_head, key_ptr, key_s
     end_pos = tl.load(meta_ptr + r * 4 + 1)
     block = tl.load(meta_ptr + r * 4 + 2)
     n_keep = tl.load(meta_ptr + r * 4 + 3)
-    j = tl.arange(0, KEEP)
-    take = j < tl.where(block >= 0, n_keep, 0)
-    back = n_keep - j  # 1..n_keep rows before the end
-    dst = block * tail_block_stride + ((end_pos - back) % RING) * 128
-    _jit.copy_rows_to_ring(tail_ptr, tail_head, dst, key_ptr, (end_row - back) * key_stride,
-                      g_ptr, (end_row - back) * g_stride, take, d)
+    _jit.seed_ring(tail_ptr, tail_block_stride, tail_head, key_ptr, key_stride, g_ptr, g_stride,
+                   end_row, end_pos, block, n_keep, d, RING, KEEP)
 
 
 def seed_rows(tslot, ring, num_ring_slots, kpool):

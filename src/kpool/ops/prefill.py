@@ -1,0 +1,99 @@
+"""The prefill write of a packed chunk batch in one launch: every pool the chunks complete,
+and every request's ring.
+
+Programs ``[0, n_pool_programs)`` compress the pools that lie inside their chunk (``BN`` pools
+each, all slots read from the token rows); one program per request then completes the
+pool the chunk started mid-way (its leading slots from the ring: the *head* pool), if the
+chunk completes it, and seeds the ring with the chunk's trailing tokens, in that order
+(a barrier between: the seeding may overwrite the ring slots the head pool reads). The pool
+programs touch no ring, so the two kinds need no ordering. ``KPoolCache.prefill`` builds the
+tables; arguments are trusted.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import reference
+from .._backend import backend_for, native_fp8
+from ..layout import fp8_max
+from . import _jit
+from .compress import NUM_WARPS, block_pools
+
+REQUEST_FIELDS = 8  # int64 per request row, see write_prefill
+
+
+@triton.jit
+def _prefill_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_block_stride, tail_head,
+                    key_ptr, key_stride, g_ptr, g_stride, ape_ptr, ape_stride,
+                    pool_ptr, n_pools, n_pool_programs, req_ptr,
+                    P: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr, BN: tl.constexpr,
+                    PRESHUFFLE: tl.constexpr, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr,
+                    ROUND_SCALE: tl.constexpr, NATIVE_FP8: tl.constexpr, KEEP: tl.constexpr):
+    pid = tl.program_id(0)
+    d = tl.arange(0, 128)
+    if pid < n_pool_programs:
+        i = pid.to(tl.int64) * BN + tl.arange(0, BN)
+        live = i < n_pools
+        row = tl.load(pool_ptr + i * 2, mask=live, other=0)
+        loc = tl.load(pool_ptr + i * 2 + 1, mask=live, other=-1)
+        x = _jit.pool_vector(key_ptr, g_ptr, row * key_stride, row * g_stride, key_stride, g_stride,
+                             tail_ptr, row, 0, row, row, ape_ptr, ape_stride, d, live, BN, P, RING, False)
+        _jit.encode_and_store(kv_ptr, kv_f32_ptr, page_stride, x, loc, live & (loc >= 0) & (loc < num_slots), d,
+                              BN, PAGE, PRESHUFFLE, FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)
+    else:
+        req = req_ptr + (pid - n_pool_programs).to(tl.int64) * 8
+        one = tl.zeros((1,), tl.int64)  # [1] vectors: the pool helpers work on tiles of BN = 1 pools
+        block = tl.load(req + 2)
+        head_ring = tl.load(req + 6)
+        if head_ring > 0:
+            head_row = tl.load(req + 4)
+            head_loc = one + tl.load(req + 7)
+            x = _jit.pool_vector(key_ptr, g_ptr, one + head_row * key_stride, one + head_row * g_stride,
+                                 key_stride, g_stride, tail_ptr, one + block * tail_block_stride, tail_head,
+                                 one + tl.load(req + 5), one + head_ring, ape_ptr, ape_stride, d, one == 0, 1, P, RING, True)
+            _jit.encode_and_store(kv_ptr, kv_f32_ptr, page_stride, x, head_loc,
+                                  (one + block >= 0) & (head_loc >= 0) & (head_loc < num_slots), d,
+                                  1, PAGE, PRESHUFFLE, FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)
+        tl.debug_barrier()  # the head pool's ring reads precede the seeding's ring writes
+        _jit.seed_ring(tail_ptr, tail_block_stride, tail_head, key_ptr, key_stride, g_ptr, g_stride,
+                       tl.load(req), tl.load(req + 1), block, tl.load(req + 3), d, RING, KEEP)
+
+
+def write_prefill(kv_cache, tail, key, gate, ape, pools, requests, pool_size, *, layout, fp8_dtype,
+                  round_scale=True):
+    """Write a packed prefill batch's pools and seed its rings, in place (one launch).
+
+    Parameters
+    ----------
+    kv_cache : uint8 ``[num_pages, PAGE, 132]``.
+    tail : bf16 ``[num_blocks, 2, RING, 128]`` rings.
+    key, gate : bf16 ``[T, 128]`` token-major rows (unit inner stride, same row stride).
+    ape : fp32 ``[P, 128]``.
+    pools : int64 ``[n, 2]``: (token row of slot 0, flat cache slot) of each pool that lies
+        inside its chunk.
+    requests : int64 ``[R, 8]``, one row per request: ``(end_row, end_pos, block, n_keep)`` —
+        rows ``[end_row - n_keep, end_row)`` hold positions ``[end_pos - n_keep, end_pos)`` and
+        go to ring ``block`` (``n_keep <= P``) — then the head pool ``(row of slot 0, position
+        of slot 0, slots read from the ring — 0: none, flat cache slot)``.
+    """
+    n, r = pools.shape[0], requests.shape[0]
+    if n + r == 0:
+        return
+    if backend_for(key.device) == "torch":
+        reference.write_prefill(kv_cache, tail, key, gate, ape, pools, requests, pool_size, fp8_dtype, layout,
+                                round_scale)
+        return
+    block = block_pools(pool_size)
+    programs = triton.cdiv(n, block)
+    _prefill_kernel[(programs + r,)](
+        kv_cache, kv_cache.view(torch.float32), kv_cache.stride(0), kv_cache.shape[0] * kv_cache.shape[1],
+        tail, tail.stride(0), tail.stride(1), key, key.stride(0), gate, gate.stride(0), ape, ape.stride(0),
+        pools, n, programs, requests,
+        P=pool_size, RING=tail.shape[2], PAGE=kv_cache.shape[1], BN=block, PRESHUFFLE=layout == "preshuffle",
+        FP8_MAX=fp8_max(fp8_dtype), FNUZ=fp8_dtype == torch.float8_e4m3fnuz, ROUND_SCALE=round_scale,
+        NATIVE_FP8=native_fp8(key.device, fp8_dtype), KEEP=triton.next_power_of_2(pool_size),
+        num_warps=NUM_WARPS, enable_fp_fusion=False,
+    )
