@@ -202,11 +202,8 @@ def load_slot(ptr, tok_off, ring_ptr, ring_row, in_ring, live, d, HAS_RING: tl.c
 
 @triton.jit
 def slot_logit(g, ape_ptr, ape_stride, s, d):
-    """Pooling logit of slot ``s``: gate + ape[s] (fp32 ``[BN, 128]``). ape is loaded as a
-    ``[BN, 128]`` tile (every row the same), in the gate's layout: a ``[128]`` load broadcast
-    to the rows costs a shuffle and a select per element on the GPU."""
-    rows = tl.zeros_like(g).to(tl.int32)
-    return g + tl.load(ape_ptr + s * ape_stride + d[None, :] + rows)
+    """Pooling logit of slot ``s``: gate + ape[s] (fp32 ``[BN, 128]``)."""
+    return g + tl.load(ape_ptr + s * ape_stride + d)[None, :]
 
 
 @triton.jit
