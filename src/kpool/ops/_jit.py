@@ -192,12 +192,15 @@ def encode_and_store(kv_ptr, kv_f32_ptr, page_stride, x, loc, ok, d, BN: tl.cons
 def load_slot(ptr, tok_off, ring_ptr, ring_row, in_ring, live, d, HAS_RING: tl.constexpr):
     """fp32 ``[BN, 128]`` rows of one pool slot: token rows at element offsets ``tok_off``,
     or (``HAS_RING`` and ``in_ring``) ring rows at ``ring_row``; rows not ``live`` read 0.
-    One load either way: each row's base pointer is chosen before the load."""
+    Two masked loads, not one load from a per-row ``tl.where`` of the two base pointers:
+    triton 3.6's AMD backend fails on that (``TritonAMDGPUConvertToBufferOps``)."""
     if HAS_RING:
-        row = tl.where(in_ring, ring_ptr + ring_row, ptr + tok_off)
+        x = tl.load(ptr + tok_off[:, None] + d[None, :], mask=(live & ~in_ring)[:, None], other=0.0)
+        xr = tl.load(ring_ptr + ring_row[:, None] + d[None, :], mask=(live & in_ring)[:, None], other=0.0)
+        x = tl.where(in_ring[:, None], xr.to(tl.float32), x.to(tl.float32))
     else:
-        row = ptr + tok_off
-    return tl.load(row[:, None] + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        x = tl.load(ptr + tok_off[:, None] + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    return x
 
 
 @triton.jit
