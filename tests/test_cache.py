@@ -548,6 +548,25 @@ def test_random_schedules(backend, pool, spec):
     run()
 
 
+
+@pytest.mark.parametrize("pool", [4, 16])
+def test_random_schedules_without_row_select(pool, monkeypatch):
+    """The ring-fed writers (decode, prefill head pools) with ``ROW_SELECT`` off, as AMD targets
+    compile them (two masked loads per ring-fed slot instead of a pointer select): the
+    schedules' bytes still match the oracle."""
+    from kpool.ops import decode, prefill
+    monkeypatch.setenv("KPOOL_BACKEND", "triton")
+    for mod in (decode, prefill):
+        monkeypatch.setattr(mod, "row_select", lambda: False)
+
+    @settings(max_examples=EXAMPLES["triton"], deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(st.data())
+    def run(data):
+        run_schedule(data, "triton", pool, 3)
+
+    run()
+
 # --- 2. one stream, any split: identical pooled bytes --------------------------------------
 
 @pytest.mark.parametrize("pool,layout,fp8", [(4, "plain", torch.float8_e4m3fn),

@@ -51,6 +51,11 @@ def backend_for(device: torch.device) -> str:
     return "triton"
 
 
+def row_select() -> bool:
+    """``ROW_SELECT`` of the ring-fed writers (``_jit.load_slot``): everywhere but ROCm builds."""
+    return torch.version.hip is None
+
+
 def fp8_encoder() -> str:
     """``KPOOL_FP8_ENCODER`` (one of ``FP8_ENCODERS``; unset or empty: ``"auto"``)."""
     choice = os.environ.get(FP8_ENCODER_ENV, "auto").strip().lower() or "auto"

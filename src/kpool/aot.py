@@ -176,6 +176,12 @@ def native_fp8_param(case, target):
     return dict(NATIVE_FP8=has_native_fp8(backend, arch, fp8_dtype))
 
 
+def ring_writer_params(case, target):
+    """``target_derive`` of the ring-fed writers: ``native_fp8_param`` and ``ROW_SELECT`` (on
+    CUDA targets, as ``_backend.row_select`` chooses it on a CUDA build of torch)."""
+    return dict(native_fp8_param(case, target), ROW_SELECT=TARGETS[target][0] == "cuda")
+
+
 def int_ptr_axis(*names):
     """Index tensors accepted as int32 or int64 (``_checks.INT_DTYPES``): both pointer types."""
     return [{n: t for n in names} for t in ("*i32", "*i64")]
@@ -209,7 +215,7 @@ def _prefill_specs(m):
         cross=(pool_ring_axis(), layout_axis(), fp8_axis("FP8_MAX", "FNUZ")),
         cycle=(flag("ROUND_SCALE"), _PAGE),
         derive=lambda c: dict(BN=BLOCK_POOLS.get(c["P"], 1), KEEP=c["P"]),  # as write_prefill on a GPU
-        target_derive=native_fp8_param,
+        target_derive=ring_writer_params,
         options=dict(enable_fp_fusion=False, num_warps=m.NUM_WARPS))}
 
 
@@ -223,7 +229,7 @@ def _decode_specs(m):
         cycle=(steps, flag("ROUND_SCALE"), _PAGE, int_ptr_axis("ts_ptr", "loc_ptr", "pos_ptr"),
                axis("_opt_num_warps", sorted({m.decode_warps(1, 4, 1), m.decode_warps(1 << 20, 4, 1)}))),
         derive=lambda c: dict(NC=m.step_tiles(c["NB"], c["P"])["NC"]),  # as the launcher
-        target_derive=native_fp8_param, options=dict(enable_fp_fusion=False))}
+        target_derive=ring_writer_params, options=dict(enable_fp_fusion=False))}
 
 
 def _tail_specs(m):

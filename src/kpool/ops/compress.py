@@ -39,7 +39,7 @@ def _compress_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
     d = tl.arange(0, 128)
     live = i < n_pools
     x = _jit.pool_vector(k_ptr, g_ptr, i * k_pool_stride, i * g_pool_stride, k_slot_stride, g_slot_stride,
-                         k_ptr, i, 0, i, i, ape_ptr, ape_stride, d, live, BN, P, P, False)
+                         k_ptr, i, 0, i, i, ape_ptr, ape_stride, d, live, BN, P, P, False, False)
     codes, scale = _jit.quantize(_jit.rotate(x, BN), FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)
     if WRITE_CACHE:
         loc = tl.load(loc_ptr + i, mask=live, other=-1).to(tl.int64)

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .._backend import backend_for, native_fp8
+from .._backend import backend_for, native_fp8, row_select
 from .._checks import (INT_DTYPES, check_head_dim, check_index_range, check_kv_cache, check_pool_size,
                        check_tail, check_tensor)
 from ..layout import HEAD_DIM, fp8_max, resolve_fp8_dtype, resolve_layout
@@ -61,7 +61,7 @@ def _in_order_step(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_bl
                    ts_ptr, ts_sb, ts_st, loc_ptr, loc_sb, loc_st, pos_ptr, pos_sb, pos_st, next_n, b, d,
                    P: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr, PRESHUFFLE: tl.constexpr,
                    FP8_MAX: tl.constexpr, FNUZ: tl.constexpr, ROUND_SCALE: tl.constexpr,
-                   NATIVE_FP8: tl.constexpr):
+                   NATIVE_FP8: tl.constexpr, ROW_SELECT: tl.constexpr):
     # Request b's tokens one at a time; token j + 1's metadata and rows are loaded before
     # token j writes the ring (software pipelining); a barrier after each token's ring writes.
     one = tl.zeros((1,), tl.int64)  # [1] vectors: the pool helpers work on tiles of BN = 1 pools
@@ -80,7 +80,7 @@ def _in_order_step(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_bl
             # slots 0..P-2 from the ring as this step left it, slot P-1 is token j itself
             x = _jit.pool_vector(key_ptr, g_ptr, one + key_row, one + g_row, 0, 0,
                                  tail_ptr, one + ring_off, tail_head, one + pos - (P - 1), one + (P - 1),
-                                 ape_ptr, ape_stride, d, one == 0, 1, P, RING, True)
+                                 ape_ptr, ape_stride, d, one == 0, 1, P, RING, True, ROW_SELECT)
             _jit.encode_and_store(kv_ptr, kv_f32_ptr, page_stride, x, one + loc, one == 0, d, 1, PAGE, PRESHUFFLE,
                                   FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)
         dst = tail_ptr + ring_off + (pos % RING) * 128 + d
@@ -100,7 +100,7 @@ def _decode_update_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
                           P: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr,
                           PRESHUFFLE: tl.constexpr, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr,
                           ROUND_SCALE: tl.constexpr, NATIVE_FP8: tl.constexpr,
-                          NB: tl.constexpr, NC: tl.constexpr):
+                          NB: tl.constexpr, NC: tl.constexpr, ROW_SELECT: tl.constexpr):
     # NB >= next_n (a power of two), NC >= cdiv(next_n, P): the most completions in one step.
     b = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, 128)
@@ -108,7 +108,7 @@ def _decode_update_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
         _in_order_step(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_block_stride, tail_head,
                        num_ring_slots, key_ptr, key_sb, key_st, g_ptr, g_sb, g_st, ape_ptr, ape_stride,
                        ts_ptr, ts_sb, ts_st, loc_ptr, loc_sb, loc_st, pos_ptr, pos_sb, pos_st, next_n, b, d,
-                       P, RING, PAGE, PRESHUFFLE, FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)
+                       P, RING, PAGE, PRESHUFFLE, FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8, ROW_SELECT)
         return
     j = tl.arange(0, NB)
     in_step = j < next_n
@@ -136,7 +136,7 @@ def _decode_update_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
             first = jc - (P - 1)
             x = _jit.pool_vector(key_ptr, g_ptr, b * key_sb + first * key_st, b * g_sb + first * g_st, key_st, g_st,
                                  ring, 0, tail_head, pos0 + first, tl.maximum(-first, 0),
-                                 ape_ptr, ape_stride, d, complete, NC, P, RING, True)
+                                 ape_ptr, ape_stride, d, complete, NC, P, RING, True, ROW_SELECT)
             _jit.encode_and_store(kv_ptr, kv_f32_ptr, page_stride, x, loc_c, complete, d, NC, PAGE, PRESHUFFLE,
                                   FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)
         tl.debug_barrier()  # the completions' ring reads precede the stash
@@ -149,7 +149,7 @@ def _decode_update_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
         _in_order_step(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_block_stride, tail_head,
                        num_ring_slots, key_ptr, key_sb, key_st, g_ptr, g_sb, g_st, ape_ptr, ape_stride,
                        ts_ptr, ts_sb, ts_st, loc_ptr, loc_sb, loc_st, pos_ptr, pos_sb, pos_st, next_n, b, d,
-                       P, RING, PAGE, PRESHUFFLE, FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)
+                       P, RING, PAGE, PRESHUFFLE, FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8, ROW_SELECT)
 
 
 def kpool_decode_update_and_maybe_write_cache_batched(kv_cache, tail_kv_cache, tail_slot_mapping, key, slot_score,
@@ -207,7 +207,7 @@ def kpool_decode_update_and_maybe_write_cache_batched(kv_cache, tail_kv_cache, t
         P=pool_size, RING=ring, PAGE=kv_cache.shape[1],
         PRESHUFFLE=layout == "preshuffle", FP8_MAX=fp8_max(fp8_dtype), FNUZ=fp8_dtype == torch.float8_e4m3fnuz,
         ROUND_SCALE=round_scale, NATIVE_FP8=native_fp8(device, fp8_dtype),
-        **step_tiles(next_n, pool_size),
+        **step_tiles(next_n, pool_size), ROW_SELECT=row_select(),
         num_warps=decode_warps(num_req, pool_size, next_n),
         enable_fp_fusion=False,
     )

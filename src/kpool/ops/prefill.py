@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .._backend import backend_for, native_fp8
+from .._backend import backend_for, native_fp8, row_select
 from ..layout import fp8_max
 from . import _jit
 from .compress import NUM_WARPS, block_pools
@@ -31,7 +31,8 @@ def _prefill_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_b
                     pool_ptr, n_pools, n_pool_programs, req_ptr,
                     P: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr, BN: tl.constexpr,
                     PRESHUFFLE: tl.constexpr, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr,
-                    ROUND_SCALE: tl.constexpr, NATIVE_FP8: tl.constexpr, KEEP: tl.constexpr):
+                    ROUND_SCALE: tl.constexpr, NATIVE_FP8: tl.constexpr, KEEP: tl.constexpr,
+                    ROW_SELECT: tl.constexpr):
     pid = tl.program_id(0)
     d = tl.arange(0, 128)
     if pid < n_pool_programs:
@@ -40,7 +41,7 @@ def _prefill_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_b
         row = tl.load(pool_ptr + i * 2, mask=live, other=0)
         loc = tl.load(pool_ptr + i * 2 + 1, mask=live, other=-1)
         x = _jit.pool_vector(key_ptr, g_ptr, row * key_stride, row * g_stride, key_stride, g_stride,
-                             tail_ptr, row, 0, row, row, ape_ptr, ape_stride, d, live, BN, P, RING, False)
+                             tail_ptr, row, 0, row, row, ape_ptr, ape_stride, d, live, BN, P, RING, False, False)
         _jit.encode_and_store(kv_ptr, kv_f32_ptr, page_stride, x, loc, live & (loc >= 0) & (loc < num_slots), d,
                               BN, PAGE, PRESHUFFLE, FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)
     else:
@@ -53,7 +54,8 @@ def _prefill_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_b
             head_loc = one + tl.load(req + 7)
             x = _jit.pool_vector(key_ptr, g_ptr, one + head_row * key_stride, one + head_row * g_stride,
                                  key_stride, g_stride, tail_ptr, one + block * tail_block_stride, tail_head,
-                                 one + tl.load(req + 5), one + head_ring, ape_ptr, ape_stride, d, one == 0, 1, P, RING, True)
+                                 one + tl.load(req + 5), one + head_ring, ape_ptr, ape_stride, d, one == 0,
+                                 1, P, RING, True, ROW_SELECT)
             _jit.encode_and_store(kv_ptr, kv_f32_ptr, page_stride, x, head_loc,
                                   (one + block >= 0) & (head_loc >= 0) & (head_loc < num_slots), d,
                                   1, PAGE, PRESHUFFLE, FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)
@@ -94,6 +96,6 @@ def write_prefill(kv_cache, tail, key, gate, ape, pools, requests, pool_size, *,
         pools, n, programs, requests,
         P=pool_size, RING=tail.shape[2], PAGE=kv_cache.shape[1], BN=block, PRESHUFFLE=layout == "preshuffle",
         FP8_MAX=fp8_max(fp8_dtype), FNUZ=fp8_dtype == torch.float8_e4m3fnuz, ROUND_SCALE=round_scale,
-        NATIVE_FP8=native_fp8(key.device, fp8_dtype), KEEP=triton.next_power_of_2(pool_size),
+        NATIVE_FP8=native_fp8(key.device, fp8_dtype), KEEP=triton.next_power_of_2(pool_size), ROW_SELECT=row_select(),
         num_warps=NUM_WARPS, enable_fp_fusion=False,
     )
