@@ -23,6 +23,7 @@ from . import _jit
 from .compress import NUM_WARPS, block_pools
 
 REQUEST_FIELDS = 8  # int64 per request row, see write_prefill
+_REQUEST_FIELDS = tl.constexpr(REQUEST_FIELDS)  # the same, for the kernel
 
 
 @triton.jit
@@ -45,7 +46,7 @@ def _prefill_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_b
         _jit.encode_and_store(kv_ptr, kv_f32_ptr, page_stride, x, loc, live & (loc >= 0) & (loc < num_slots), d,
                               BN, PAGE, PRESHUFFLE, FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)
     else:
-        req = req_ptr + (pid - n_pool_programs).to(tl.int64) * 8
+        req = req_ptr + (pid - n_pool_programs).to(tl.int64) * _REQUEST_FIELDS
         one = tl.zeros((1,), tl.int64)  # [1] vectors: the pool helpers work on tiles of BN = 1 pools
         block = tl.load(req + 2)
         head_ring = tl.load(req + 6)
