@@ -11,7 +11,7 @@ code NaN). Caches are pre-filled with random bytes and compared WHOLE, byte for 
 the torch reference (``kpool.reference`` / ``kpool.numerics``). A spy on the two encoders
 checks that each run really took the path it names.
 
-The scorers decode fp8 by the same choice (``software``: the limb table; ``native``: the
+The scorers decode fp8 by the same choice (``software``: the halves table; ``native``: the
 conversion): paged and ragged logits and the fused ``paged_pool_topk`` on keys and queries
 holding every code of the format, NaN codes included, against the reference.
 

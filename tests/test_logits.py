@@ -105,25 +105,33 @@ def weights(shape, seed):
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _limbs_all_kernel(code_ptr, lut_ptr, out_ptr, FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
+def _halves_all_kernel(code_ptr, lut_ptr, out_ptr, FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
     c = tl.load(code_ptr + tl.arange(0, 256))
-    l0, l1, l2, nan = _jit_fp8.fp8_limbs(c, lut_ptr, FNUZ, NATIVE_FP8)
+    hi, lo, nan = _jit_fp8.fp8_halves(c, lut_ptr, FNUZ, NATIVE_FP8)
     i = tl.arange(0, 256)
-    tl.store(out_ptr + i, l0.to(tl.int32) + l1.to(tl.int32) * 64 + l2.to(tl.int32) * 4096)
-    tl.store(out_ptr + 256 + i, nan.to(tl.int32))
-    tl.store(out_ptr + 512 + i, tl.maximum(tl.abs(l0.to(tl.int32)), tl.abs(l1.to(tl.int32))))
-    tl.store(out_ptr + 768 + i, tl.abs(l2.to(tl.int32)))
+    tl.store(out_ptr + i, hi.to(tl.int16, bitcast=True).to(tl.int32))
+    tl.store(out_ptr + 256 + i, lo.to(tl.int16, bitcast=True).to(tl.int32))
+    tl.store(out_ptr + 512 + i, nan.to(tl.int32))
 
 
 @pytest.mark.parametrize("fp8_dtype", FP8)
-def test_limb_table_all_codes(fp8_dtype):
-    """The kernels' code -> int8 limbs table: l0 + l1 * 2^6 + l2 * 2^12 = value / unit, NaN flag."""
-    t = _jit_fp8.limb_table(fp8_dtype, "cpu").to(torch.int64)
-    limbs = [((t >> (8 * i)) & 0xFF).to(torch.int8).to(torch.int64) for i in range(3)]
-    ints, nan, _ = reference.fp8_int_table(fp8_dtype, "cpu")
-    assert torch.equal(limbs[0] + limbs[1] * 64 + limbs[2] * 4096, ints.to(torch.int64))
-    assert torch.equal((t >> 24) & 1 == 1, nan)
-    assert all(int(limb.abs().max()) < 64 for limb in limbs)
+def test_halves_table_all_codes(fp8_dtype):
+    """The kernels' code -> fp16 halves table: hi + lo = value, hi a multiple of the step h,
+    |lo| <= h / 2 a multiple of the unit, within the bounds ``_exact_dot`` relies on
+    (|hi / h| <= 480, |lo / unit| <= 256); NaN codes give NaN halves."""
+    fnuz = fp8_dtype == torch.float8_e4m3fnuz
+    t = _jit_fp8.halves_table(fp8_dtype, "cpu")
+    hi = (t & 0xFFFF).to(torch.int16).view(torch.float16).double()
+    lo = (t >> 16).to(torch.int16).view(torch.float16).double()
+    x = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8_dtype).double()
+    nan = torch.isnan(x)
+    assert torch.equal(torch.isnan(hi), nan) and torch.equal(torch.isnan(lo), nan)
+    hi, lo, x = hi[~nan], lo[~nan], x[~nan]
+    step, unit = _jit_fp8.half_step(fnuz), _jit_fp8.fp8_unit(fnuz)
+    assert step / unit == 512
+    assert torch.equal(hi + lo, x)
+    assert torch.equal(torch.round(hi / step), hi / step) and int((hi / step).abs().max()) <= 480
+    assert torch.equal(torch.round(lo / unit), lo / unit) and float((lo / step).abs().max()) == 0.5
 
 
 def _decoders(device, fp8_dtype):
@@ -133,23 +141,55 @@ def _decoders(device, fp8_dtype):
 
 
 @pytest.mark.parametrize("fp8_dtype", FP8)
-def test_fp8_limbs_kernel_all_codes(device, fp8_dtype):
-    """Both decoders on the device: every code -> value / unit (exact), NaN flag, limbs within
-    the bounds ``_int_dot``'s int32 accumulation relies on (63; 60 for the top limb)."""
+def test_fp8_halves_kernel_all_codes(device, fp8_dtype):
+    """Both decoders on the device give the table's halves for every code (fp16 bits; NaN
+    positions and flags)."""
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).to(device)
-    ints, nan, unit = reference.fp8_int_table(fp8_dtype, "cpu")
-    want = codes.cpu().view(fp8_dtype).double()
-    assert unit == _jit_fp8.fp8_unit(fp8_dtype == torch.float8_e4m3fnuz)
-    assert torch.equal(torch.nan_to_num(want, nan=0.0), ints * unit) and torch.equal(torch.isnan(want), nan)
+    table = _jit_fp8.halves_table(fp8_dtype, "cpu")
+    nan = torch.isnan(codes.cpu().view(fp8_dtype).float())
     for native in _decoders(device, fp8_dtype):
-        out = torch.empty(1024, dtype=torch.int32, device=device)
-        _limbs_all_kernel[(1,)](codes, _jit_fp8.limb_table(fp8_dtype, device), out,
-                                FNUZ=fp8_dtype == torch.float8_e4m3fnuz, NATIVE_FP8=native)
+        out = torch.empty(768, dtype=torch.int32, device=device)
+        _halves_all_kernel[(1,)](codes, _jit_fp8.halves_table(fp8_dtype, device), out,
+                                 FNUZ=fp8_dtype == torch.float8_e4m3fnuz, NATIVE_FP8=native)
         out = out.cpu()
-        assert torch.equal(out[:256].double(), ints), f"native={native}"
-        assert torch.equal(out[256:512].bool(), nan), f"native={native}"
-        assert int(out[512:768].max()) <= 63 and int(out[768:].max()) <= 60, f"native={native}"
-        assert int(out[:256].abs().max()) == (229376 if fp8_dtype == torch.float8_e4m3fn else 245760)
+        assert torch.equal(out[512:].bool(), nan), f"native={native}"
+        for half, want in ((out[:256], table & 0xFFFF), (out[256:512], (table >> 16) & 0xFFFF)):
+            assert torch.equal((half & 0xFFFF)[~nan], want[~nan]), f"native={native}"
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8)
+def test_dot_exact_at_accumulator_bounds(backend, device, fp8_dtype):
+    """Dots that fill ``_exact_dot``'s fp32 accumulators to their bounds with their low bits
+    set (a truncating or reordered accumulation would change them), and dots of uniformly
+    random codes (every magnitude, subnormals included): all bit for bit against the exact
+    fp64 formulation. Query row ``t`` weights only head ``t``, so each logit is one dot."""
+    m = float(torch.finfo(fp8_dtype).max)  # 448 / 240: |hi / h| = 448 / 480
+    step = _jit_fp8.half_step(fp8_dtype == torch.float8_e4m3fnuz)
+    heads, n_keys = 16, 64
+    g = torch.Generator().manual_seed(7)
+    finite = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    finite = finite[~torch.isnan(finite.view(fp8_dtype).float())]
+    q = finite[torch.randint(0, len(finite), (heads, heads, 128), generator=g)].view(fp8_dtype).float()
+    k = finite[torch.randint(0, len(finite), (n_keys, 128), generator=g)].view(fp8_dtype).float()
+    full = torch.full((128,), m)
+    q[0, 0], k[0] = full, full  # hi.hi at its bound in both 64-dim halves
+    q[1, 1], k[1] = full, full
+    k[1, 0] = k[1, 64] = q[1, 1, 0] = q[1, 1, 64] = step  # ... plus h^2 twice: bit 0 of each accumulator
+    q[2, 2], k[2] = full, full * 0 + 1.5 * step  # hi.lo at its bound: 448 * (h / 2) * 128, one sign
+    k[2, 5] = step / 2 ** 9  # ... plus h * u: the smallest subnormal
+    q[3, 3], k[3] = full * 0 + 1.5 * step, full  # lo.hi
+    q[4, 4], k[4] = full * 0 + 0.5 * step, full * 0 + 0.5 * step  # lo.lo: (h / 2)^2 * 128
+    q[4, 4, 9] = k[4, 9] = step / 2 ** 9
+    q, k = q.to(fp8_dtype), k.to(fp8_dtype)
+    w = torch.eye(heads)
+    ks = torch.zeros(heads, dtype=torch.int32)
+    ke = torch.full((heads,), n_keys, dtype=torch.int32)
+    out = ragged_pool_logits(q.to(device), k.to(device), torch.ones(n_keys, device=device), w.to(device),
+                             ks.to(device), ke.to(device))
+    want = exact_scores(q, k, torch.ones(n_keys), w[:, :, None].expand(heads, heads, 1)[..., 0])
+    assert_same_f32(out, want, "exact dots at the accumulator bounds")
+    assert float(want[0, 0]) == m * m * 128 and float(want[4, 4]) > 0 and float(want[2, 2]) > 0
+    assert int((want > 0).sum()) > heads * n_keys // 4, "random dots: too few positive (relu hides the rest)"
 
 
 # --------------------------------------------------------------------------------------------

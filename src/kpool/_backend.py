@@ -13,8 +13,8 @@ downcasts); elsewhere (sm_80, e4m3fnuz on CUDA, ...) it falls back to ``software
 target. ``auto`` (default) is the measured choice: native where the target has the
 conversion, software elsewhere, i.e. the same as ``native`` today (H200, compress+write:
 native 6% faster at P=4, 2% at P=16; benchmarks/NOTES.md). All give the same bytes.
-The same choice picks the scorers' decoder (fp8 -> fp32 conversion, or the limb table
-``_jit_fp8.limb_table``; same integers). The AOT compile matrix (``kpool.aot``) compiles
+The same choice picks the scorers' decoder (fp8 -> fp16 conversion, or the table
+``_jit_fp8.halves_table``; same halves). The AOT compile matrix (``kpool.aot``) compiles
 each target with the ``auto`` choice, from the same ``has_native_fp8`` table.
 """
 

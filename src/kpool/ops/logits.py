@@ -13,14 +13,15 @@ interpreter and on every GPU; kernels are launched with ``enable_fp_fusion=False
    e4m3fn, ``2^-10`` e4m3fnuz; ``reference.fp8_int_table``). The head dot product ``q8[h].k8[j]``
    is the exact integer sum of 128 products (``|sum| < 128 * 2^36 = 2^43``), converted
    ONCE to fp32 (round to nearest even) and multiplied by ``u^2`` (exact). A NaN code in
-   either vector makes it NaN. The kernels get the exact sum from int8 ``tl.dot``s: each
-   integer is split into three 6-bit limbs (``i = l0 + l1*2^6 + l2*2^12``, ``|l| <= 63``,
-   ``|l2| <= 60``; ``_jit_fp8.fp8_limbs``: the target's fp8 -> fp32 conversion where it has
-   one, else a 256-entry table per format), the nine limb products are int8 MMAs whose
-   int32 accumulators hold ``hi = d4*2^12 + d3*2^6 + d2`` and ``lo = d1*2^6 + d0`` exactly
-   (``_int_dot``), and ``hi*2^12 + lo`` is formed in fp64 (exact) and rounded once to fp32.
-   The torch reference uses an fp64 matmul on the integers, exact in any summation order
-   since every partial sum is an integer below ``2^53``.
+   either vector makes it NaN. The kernels get the exact sum from fp16 ``tl.dot``s: each
+   value is split into two fp16 halves, ``hi`` a multiple of a step ``h = 512 u`` and
+   ``|lo| <= h / 2`` (``_jit_fp8.fp8_halves``: the target's fp8 -> fp16 conversion where it
+   has one, else a 256-entry table per format); the four half products are fp16 MMAs whose
+   fp32 accumulators hold integer multiples of their unit below ``2^24`` of it at every
+   step, i.e. exact whatever the MMA unit's summation order or internal rounding
+   (``_exact_dot``: bounds, five accumulators), summed in fp64 (exact) and rounded once to
+   fp32. The torch reference uses an fp64 matmul on the integers, exact in any summation
+   order since every partial sum is an integer below ``2^53``.
 2. In fp32: ``s = dot * kscale[j]``; ``r = 0 if s < 0 else s`` (NaN kept);
    ``t[h] = w[h] * r``; the heads are summed as a fixed pairwise tree (H a power of two):
    ``((t0 + t1) + (t2 + t3)) + ((t4 + t5) + (t6 + t7)) + ...``.
@@ -29,10 +30,11 @@ interpreter and on every GPU; kernels are launched with ``enable_fp_fusion=False
 
 Performance: these two write a full logits row (paged: one program per (row, ``BLOCK_POOLS``
 pools); ragged: one per (query, ``RAGGED_TILES`` tiles of ``RAGGED_TILE`` pools), the query's
-limbs built once per program); the decode path of ``KPoolCache`` uses ``ops/score.py``'s
+halves built once per program); the decode path of ``KPoolCache`` uses ``ops/score.py``'s
 fused ``paged_pool_topk`` instead, built from the same ``paged_tile`` / ``paged_tile_logits``.
-The exact formulation costs nine int8 MMAs per fp8 product and a decode per key code, so
-scoring is bound by the SM's instruction issue and latency, not by HBM (benchmarks/NOTES.md).
+The exact formulation costs four fp16 MMAs per fp8 product (two operands per side), a
+decode per key code and five fp32 -> fp64 conversions per logit, so scoring is bound by the
+SM's instruction issue and latency, not by HBM (benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from .._backend import backend_for, native_fp8
 from .._checks import INT_DTYPES, check_kv_cache, check_tensor, range_checks_enabled
 from ..layout import FP8_DTYPES, HEAD_DIM, resolve_fp8_dtype, resolve_layout
 from . import _jit, _jit_fp8, topk
-from ._jit_fp8 import limb_table
+from ._jit_fp8 import halves_table
 
 BLOCK_POOLS = 32  # pools per paged-logits program
 RAGGED_TILE, RAGGED_TILES = 64, 8  # ragged logits: pools per tile, tiles per program (one query)
@@ -55,22 +57,37 @@ CODE_DTYPES = FP8_DTYPES + (torch.uint8,)
 
 
 @triton.jit
-def _int_dot(a0, a1, a2, b0, b1, b2):
-    """Exact integer ``A @ B`` from int8 limbs (``[M, 128]`` x ``[128, N]``) -> fp32 ``[M, N]``,
-    rounded once (to nearest even).
+def _exact_dot(k, q):
+    """Exact ``K @ Q`` from fp16 halves (``_jit_fp8.fp8_halves``) -> fp32 ``[M, N]``, rounded
+    once (to nearest even; an exact zero is +0).
 
-    With ``d_s`` the sum of the limb products of weight ``2^(6s)``, the dot is ``hi * 2^12 + lo``,
-    ``hi = (d4 * 2^6 + d3) * 2^6 + d2`` and ``lo = d1 * 2^6 + d0``, both accumulated in the int32
-    MMA accumulators: limbs are at most 63 (60 for the top limb), so ``|hi| < 1.96e9 < 2^31``
-    and ``|lo| < 2^27`` at every step. ``hi * 2^12 + lo`` (``< 2^43``) is exact in fp64.
+    ``k = (a_hi, a_lo, b_hi, b_lo)``, ``[M, 64]`` each (dims 0-63 = ``a``, 64-127 = ``b``);
+    ``q`` the same, ``[64, N]`` each. Four half products in fp16 MMAs with fp32 accumulators,
+    every partial sum an integer multiple below ``2^24`` of its unit (exact in any order):
+    ``hi.hi`` (unit ``h^2``, ``|hi / h| <= 480``: ``480^2 * 64 < 2^24``, so one accumulator
+    per 64 dims), ``hi.lo`` and ``lo.hi`` (unit ``h u``, ``|lo / u| <= 256``:
+    ``480 * 256 * 128 < 2^24``), ``lo.lo`` (unit ``u^2``: ``256^2 * 128 < 2^24``). The five
+    accumulators are summed in fp64 (exact: every term is a multiple of ``u^2`` below
+    ``2^26``, 44 bits) and rounded once to fp32.
     """
-    hi = tl.dot(a2, b2, out_dtype=tl.int32) << 6
-    hi = tl.dot(a1, b2, tl.dot(a2, b1, hi, out_dtype=tl.int32), out_dtype=tl.int32) << 6
-    hi = tl.dot(a0, b2, tl.dot(a1, b1, tl.dot(a2, b0, hi, out_dtype=tl.int32), out_dtype=tl.int32),
-                out_dtype=tl.int32)
-    lo = tl.dot(a0, b1, tl.dot(a1, b0, out_dtype=tl.int32), out_dtype=tl.int32) << 6
-    lo = tl.dot(a0, b0, lo, out_dtype=tl.int32)
-    return (hi.to(tl.float64) * 4096.0 + lo.to(tl.float64)).to(tl.float32)
+    a_hi, a_lo, b_hi, b_lo = k
+    qa_hi, qa_lo, qb_hi, qb_lo = q
+    hh = tl.dot(a_hi, qa_hi).to(tl.float64) + tl.dot(b_hi, qb_hi).to(tl.float64)
+    hl = tl.dot(a_hi, qa_lo, tl.dot(b_hi, qb_lo)).to(tl.float64)
+    lh = tl.dot(a_lo, qa_hi, tl.dot(b_lo, qb_hi)).to(tl.float64)
+    ll = tl.dot(a_lo, qa_lo, tl.dot(b_lo, qb_lo)).to(tl.float64)
+    dot = (((hh + hl) + lh) + ll).to(tl.float32)
+    return tl.where(dot == 0, 0.0, dot)
+
+
+@triton.jit
+def fp8_split(codes_a, codes_b, lut_ptr, AXIS: tl.constexpr, FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
+    """Codes of dims 0-63 and 64-127 (uint8, same shape, the dims along ``AXIS``) -> the
+    halves ``(a_hi, a_lo, b_hi, b_lo)`` of ``_exact_dot`` and a NaN flag reduced over ``AXIS``."""
+    a_hi, a_lo, a_nan = _jit_fp8.fp8_halves(codes_a, lut_ptr, FNUZ, NATIVE_FP8)
+    b_hi, b_lo, b_nan = _jit_fp8.fp8_halves(codes_b, lut_ptr, FNUZ, NATIVE_FP8)
+    nan = tl.max((a_nan | b_nan).to(tl.int32), axis=AXIS) > 0
+    return (a_hi, a_lo, b_hi, b_lo), nan
 
 
 @triton.jit
@@ -95,32 +112,32 @@ def _head_tree(t, BN: tl.constexpr, H: tl.constexpr):
 
 
 @triton.jit
-def query_limbs(q_ptrs, mask, lut_ptr, FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
-    """Query codes ``q_ptrs [128, N]`` (dim-major; N = heads of one or more query rows, code 0
-    where not ``mask``) -> int8 limbs ``(q0, q1, q2)`` ``[128, N]`` and a NaN flag ``[N]``."""
+def query_halves(q_ptrs, mask, lut_ptr, FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
+    """Query codes at ``q_ptrs [64, N]`` (dims 0-63, dim-major; dims 64-127 at ``+ 64``; N =
+    heads of one or more query rows, code 0 where not ``mask``) -> the ``_exact_dot`` halves
+    (``[64, N]`` each) and a NaN flag ``[N]``."""
     if mask is None:
-        codes = tl.load(q_ptrs)
+        codes_a, codes_b = tl.load(q_ptrs), tl.load(q_ptrs + 64)
     else:
-        codes = tl.load(q_ptrs, mask=mask, other=0)
-    q0, q1, q2, qn = _jit_fp8.fp8_limbs(codes, lut_ptr, FNUZ, NATIVE_FP8)
-    return q0, q1, q2, tl.max(qn.to(tl.int32), axis=0)
+        codes_a, codes_b = tl.load(q_ptrs, mask=mask, other=0), tl.load(q_ptrs + 64, mask=mask, other=0)
+    return fp8_split(codes_a, codes_b, lut_ptr, 0, FNUZ, NATIVE_FP8)
 
 
 @triton.jit
-def block_logits(q0, q1, q2, q_nan, w, codes, kscale, lut_ptr, BN: tl.constexpr, H: tl.constexpr,
+def block_logits(q, q_nan, w, codes, kscale, lut_ptr, BN: tl.constexpr, H: tl.constexpr,
                  R: tl.constexpr, FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
     """Pooled logits of ``BN`` pools for ``R`` query rows -> fp32 ``[BN, R]`` (module docstring).
 
-    ``q0..q2``, ``q_nan``: ``query_limbs`` of the rows side by side (``[128, R * H]``, row-major
-    over (row, head)); ``w [R * H]`` head weights; ``codes [BN, 128]`` uint8 key codes;
-    ``kscale [BN]`` fp32; ``lut_ptr``, ``FNUZ``, ``NATIVE_FP8``: the decoder
-    (``_jit_fp8.fp8_limbs``). The pools are the MMA's rows (M = BN) and the rows' heads its
-    columns, so the key tile is decoded once for all ``R`` rows and the query limbs are the
-    loop-invariant operand.
+    ``q``, ``q_nan``: ``query_halves`` of the rows side by side (``[64, R * H]`` each,
+    row-major over (row, head)); ``w [R * H]`` head weights; ``codes``: the pools' uint8 key
+    codes of dims 0-63 and 64-127 (``[BN, 64]`` each); ``kscale [BN]`` fp32; ``lut_ptr``,
+    ``FNUZ``, ``NATIVE_FP8``: the decoder (``_jit_fp8.fp8_halves``). The pools are the MMA's
+    rows (M = BN) and the rows' heads its columns, so the key tile is decoded once for all
+    ``R`` rows and the query halves are the loop-invariant operand.
     """
-    k0, k1, k2, kn = _jit_fp8.fp8_limbs(codes, lut_ptr, FNUZ, NATIVE_FP8)  # [BN, 128]
-    dot = _jit_fp8.scale_dot(_int_dot(k0, k1, k2, q0, q1, q2), FNUZ)  # [BN, R * H], one rounding
-    nan = (tl.max(kn.to(tl.int32), axis=1)[:, None] + q_nan[None, :]) > 0
+    k, k_nan = fp8_split(codes[0], codes[1], lut_ptr, 1, FNUZ, NATIVE_FP8)  # [BN, 64] halves, [BN]
+    dot = _exact_dot(k, q)  # [BN, R * H], one rounding
+    nan = k_nan[:, None] | q_nan[None, :]
     s = tl.where(nan, float("nan"), dot) * kscale[:, None]
     r = tl.where(s < 0, 0.0, s)
     return tl.reshape(_head_tree(tl.reshape(r * w[None, :], (BN * R, H)), BN * R, H), (BN, R))
@@ -130,13 +147,14 @@ def block_logits(q0, q1, q2, q_nan, w, codes, kscale, lut_ptr, BN: tl.constexpr,
 def paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_row_ptr, pt_sp, j0, n_vis,
                PAGE: tl.constexpr, BN: tl.constexpr, PRESHUFFLE: tl.constexpr):
     """Entries of pools ``j0 .. j0 + BN - 1`` (``j0`` a multiple of ``BN``) of one row's page
-    table ``pt_row_ptr`` (stride ``pt_sp``): ``(codes [BN, 128] uint8, kscale [BN] fp32,
-    ok [BN])``, ``ok`` = visible (``j < n_vis``) and on a page inside ``[0, num_pages)``;
+    table ``pt_row_ptr`` (stride ``pt_sp``): ``(codes, kscale [BN] fp32, ok [BN])``, ``codes``
+    the uint8 key codes of dims 0-63 and 64-127 (``[BN, 64]`` each), ``ok`` = visible
+    (``j < n_vis``) and on a page inside ``[0, num_pages)``;
     entries not ``ok`` are not read (zeros).
 
     When ``PAGE % BN == 0`` the tile lies in one page: one page-table load, a scalar page
     base and int32 in-page offsets; otherwise a page lookup per pool."""
-    d = tl.arange(0, 128)
+    d = tl.arange(0, 64)
     j = j0 + tl.arange(0, BN)
     if PAGE % BN == 0:
         # a tile past the row's visible pools reads column 0 (a row with visible pools has one)
@@ -154,18 +172,19 @@ def paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_row_ptr, pt_sp, j0
         state = j % PAGE
         kscale = tl.load(kv_f32_ptr + (base + PAGE * 128) // 4 + state, mask=ok, other=0.0)
         row_base = base[:, None]
-    codes = tl.load(kv_ptr + row_base + _jit.key_offset(state[:, None], d[None, :], PRESHUFFLE), mask=ok[:, None],
-                    other=0)
+    rows = kv_ptr + row_base
+    codes = (tl.load(rows + _jit.key_offset(state[:, None], d[None, :], PRESHUFFLE), mask=ok[:, None], other=0),
+             tl.load(rows + _jit.key_offset(state[:, None], 64 + d[None, :], PRESHUFFLE), mask=ok[:, None], other=0))
     return codes, kscale, ok
 
 
 @triton.jit
-def paged_tile_logits(q0, q1, q2, q_nan, w, codes, kscale, ok, seen, lut_ptr, BN: tl.constexpr,
+def paged_tile_logits(q, q_nan, w, codes, kscale, ok, seen, lut_ptr, BN: tl.constexpr,
                       H: tl.constexpr, R: tl.constexpr, FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
     """``block_logits`` of a ``paged_tile`` for ``R`` rows -> ``[BN, R]``: ``-inf`` where not
     ``seen [BN, R]`` (pool past the row's visible count), NaN for a seen pool on a page
     outside the cache."""
-    acc = block_logits(q0, q1, q2, q_nan, w, codes, kscale, lut_ptr, BN, H, R, FNUZ, NATIVE_FP8)
+    acc = block_logits(q, q_nan, w, codes, kscale, lut_ptr, BN, H, R, FNUZ, NATIVE_FP8)
     return tl.where(seen, tl.where(ok[:, None], acc, float("nan")), float("-inf"))
 
 
@@ -185,12 +204,12 @@ def _paged_logits_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_
     out = tl.full((BN,), float("-inf"), tl.float32)
     if blk * BN < n_vis:
         hh = tl.arange(0, H)
-        q0, q1, q2, q_nan = query_limbs(q_ptr + b * q_sb + t * q_sn + hh[None, :] * q_sh
-                                        + tl.arange(0, 128)[:, None], None, lut_ptr, FNUZ, NATIVE_FP8)
+        q, q_nan = query_halves(q_ptr + b * q_sb + t * q_sn + hh[None, :] * q_sh + tl.arange(0, 64)[:, None], None,
+                                lut_ptr, FNUZ, NATIVE_FP8)
         codes, kscale, ok = paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_ptr + b * pt_sb, pt_sp,
                                        blk * BN, n_vis, PAGE, BN, PRESHUFFLE)
         w = tl.load(w_ptr + b * w_sb + t * w_sn + hh * w_sh)
-        out = tl.reshape(paged_tile_logits(q0, q1, q2, q_nan, w, codes, kscale, ok, (j < n_vis)[:, None], lut_ptr,
+        out = tl.reshape(paged_tile_logits(q, q_nan, w, codes, kscale, ok, (j < n_vis)[:, None], lut_ptr,
                                            BN, H, 1, FNUZ, NATIVE_FP8), (BN,))
     tl.store(out_ptr + row * out_stride + j, out, mask=j < max_pools)
 
@@ -201,17 +220,16 @@ def _ragged_logits_kernel(q_ptr, q_st, q_sh, w_ptr, w_st, w_sh, k_ptr, k_sn, ksc
                           BN: tl.constexpr, NT: tl.constexpr, H: tl.constexpr, FNUZ: tl.constexpr,
                           NATIVE_FP8: tl.constexpr):
     # Program (query t, span): logits of pools [span*NT*BN, (span+1)*NT*BN) for query t, NT
-    # tiles of BN pools; the query's limbs are built once per span that meets its window.
+    # tiles of BN pools; the query's halves are built once per span that meets its window.
     t = tl.program_id(0).to(tl.int64)
     start = tl.program_id(1).to(tl.int64) * NT * BN
-    d = tl.arange(0, 128)
+    d = tl.arange(0, 64)
     lo = tl.maximum(tl.load(ks_ptr + t).to(tl.int64), 0)
     hi = tl.minimum(tl.load(ke_ptr + t).to(tl.int64), n_keys)
     out_row = out_ptr + t * out_stride
     if (start < hi) & (start + NT * BN > lo):
         hh = tl.arange(0, H)
-        q0, q1, q2, q_nan = query_limbs(q_ptr + t * q_st + hh[None, :] * q_sh + d[:, None], None, lut_ptr, FNUZ,
-                                        NATIVE_FP8)
+        q, q_nan = query_halves(q_ptr + t * q_st + hh[None, :] * q_sh + d[:, None], None, lut_ptr, FNUZ, NATIVE_FP8)
         w = tl.load(w_ptr + t * w_st + hh * w_sh)
         for i in range(NT):
             j = start + i * BN + tl.arange(0, BN)  # [BN]
@@ -219,8 +237,9 @@ def _ragged_logits_kernel(q_ptr, q_st, q_sh, w_ptr, w_st, w_sh, k_ptr, k_sn, ksc
             acc = tl.zeros([BN], tl.float32)
             if (start + i * BN < hi) & (start + i * BN + BN > lo):
                 kscale = tl.load(ksc_ptr + j * ksc_sn, mask=vis, other=0.0)
-                codes = tl.load(k_ptr + j[:, None] * k_sn + d[None, :], mask=vis[:, None], other=0)
-                acc = tl.reshape(block_logits(q0, q1, q2, q_nan, w, codes, kscale, lut_ptr, BN, H, 1, FNUZ,
+                rows = k_ptr + j[:, None] * k_sn + d[None, :]
+                codes = (tl.load(rows, mask=vis[:, None], other=0), tl.load(rows + 64, mask=vis[:, None], other=0))
+                acc = tl.reshape(block_logits(q, q_nan, w, codes, kscale, lut_ptr, BN, H, 1, FNUZ,
                                               NATIVE_FP8), (BN,))
             tl.store(out_row + j, tl.where(vis, acc, float("-inf")), mask=j < n_keys)
     else:
@@ -340,7 +359,7 @@ def paged_pool_logits(q_fp8, kv_cache, weights, pool_lens, page_table, *, layout
         q8, q8.stride(0), q8.stride(1), q8.stride(2), weights, weights.stride(0), weights.stride(1),
         weights.stride(2), pool_lens, pool_lens.stride(0), pool_lens.stride(1),
         page_table, page_table.stride(0), page_table.stride(1), kv_cache, kv_cache.view(torch.float32),
-        kv_cache.stride(0), num_pages, out, out.stride(0), max_pools, limit, next_n, limb_table(fp8_dtype, device),
+        kv_cache.stride(0), num_pages, out, out.stride(0), max_pools, limit, next_n, halves_table(fp8_dtype, device),
         PAGE=page, BN=BLOCK_POOLS, H=heads, PRESHUFFLE=layout == "preshuffle", **decode_args(fp8_dtype, device),
         enable_fp_fusion=False,
     )
@@ -397,7 +416,7 @@ def ragged_pool_logits(q_fp8, k_codes, k_scale, weights, ks, ke, *, fp8_dtype=No
     grid = (n_q, triton.cdiv(n_keys, RAGGED_TILE * RAGGED_TILES))
     _ragged_logits_kernel[grid](
         q8, q8.stride(0), q8.stride(1), weights, weights.stride(0), weights.stride(1),
-        k8, k8.stride(0), k_scale, k_scale.stride(0), ks, ke, n_keys, out, out.stride(0), limb_table(fp8_dtype, device),
+        k8, k8.stride(0), k_scale, k_scale.stride(0), ks, ke, n_keys, out, out.stride(0), halves_table(fp8_dtype, device),
         BN=RAGGED_TILE, NT=RAGGED_TILES, H=heads, **decode_args(fp8_dtype, device), enable_fp_fusion=False,
     )
     return out

@@ -4,7 +4,7 @@ The pooled logits of ``ops/logits.py`` and the selection of ``ops/topk.py`` in o
 over the paged cache, without a logits row in memory: one program per (``ROWS`` query rows
 of one request, leaf of ``CHUNK`` pools, ``topk.plan_leaves``) scores its leaf tile by tile
 (``paged_tile_logits``, ``BLOCK_POOLS`` pools per tile, the next tile's entries loaded while
-one is scored, the rows' int8 query limbs built once per program). Each key tile is decoded
+one is scored, the rows' fp16 query halves built once per program). Each key tile is decoded
 once for the program's rows (verify steps and prefill chunks have several rows per request;
 ``query_rows``), then each row keeps its ranking keys on chip and reduces them to the
 leaf's ``KB`` best (``topk.store_leaf``); rows with several leaves finish in
@@ -22,8 +22,8 @@ from .. import reference
 from .._backend import backend_for, device_target
 from .._checks import check_positive_int
 from . import topk
-from ._jit_fp8 import limb_table
-from .logits import check_paged_args, decode_args, paged_tile, paged_tile_logits, query_limbs
+from ._jit_fp8 import halves_table
+from .logits import check_paged_args, decode_args, paged_tile, paged_tile_logits, query_halves
 
 BLOCK_POOLS = 64  # pools per scoring tile: the MMA's M (one wgmma warpgroup on Hopper)
 NUM_WARPS = 4
@@ -56,8 +56,8 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
         c = tl.arange(0, ROWS * H)  # (row, head) columns
         q_rows = q_ptr + b * q_sb + (t0 + c // H) * q_sn + (c % H) * q_sh
         q_live = t0 + c // H < next_n
-        q0, q1, q2, q_nan = query_limbs(q_rows[None, :] + tl.arange(0, 128)[:, None], q_live[None, :], lut_ptr,
-                                        FNUZ, NATIVE_FP8)
+        q, q_nan = query_halves(q_rows[None, :] + tl.arange(0, 64)[:, None], q_live[None, :], lut_ptr, FNUZ,
+                                NATIVE_FP8)
         w = tl.load(w_ptr + b * w_sb + (t0 + c // H) * w_sn + (c % H) * w_sh, mask=q_live, other=0.0)
         tiles = tl.arange(0, NT)
         keys = tl.full((NT, BN, ROWS), topk.NO_KEY, tl.int64)  # INT64_MIN = not seen
@@ -73,7 +73,7 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
                              PAGE, BN, PRESHUFFLE)
             if (chunk * NT + i) * BN < n_max:
                 seen = j[:, None] < n_vis[None, :]  # [BN, ROWS]
-                x = paged_tile_logits(q0, q1, q2, q_nan, w, codes, kscale, ok, seen, lut_ptr, BN, H, ROWS, FNUZ,
+                x = paged_tile_logits(q, q_nan, w, codes, kscale, ok, seen, lut_ptr, BN, H, ROWS, FNUZ,
                                       NATIVE_FP8)
                 keys = tl.where(tiles[:, None, None] == i, topk.pool_keys(x, j[:, None], seen)[None, :, :], keys)
             codes, kscale, ok = nxt
@@ -146,7 +146,7 @@ def paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, *
             q8, q8.stride(0), q8.stride(1), q8.stride(2), weights, weights.stride(0), weights.stride(1),
             weights.stride(2), lens, lens.stride(0), page_table, page_table.stride(0), page_table.stride(1),
             kv_cache, kv_cache.view(torch.float32), kv_cache.stride(0), kv_cache.shape[0],
-            cand, out, out.stride(0), limit, next_n, select_k, n_chunks, limb_table(fp8_dtype, device),
+            cand, out, out.stride(0), limit, next_n, select_k, n_chunks, halves_table(fp8_dtype, device),
             PAGE=kv_cache.shape[1], BN=BLOCK_POOLS, NT=chunk // BLOCK_POOLS, KB=kb, H=heads, ROWS=rows_per_prog,
             PRESHUFFLE=layout == "preshuffle", FINAL=final, **decode_args(fp8_dtype, device),
             **launch_options(device),
