@@ -31,10 +31,8 @@ SMALL_BATCH = 256  # requests; up to this many, a program (one request) gets 4 w
 
 def decode_warps(num_req: int, pool_size: int, next_n: int) -> int:
     """Warps per program (H200 sweeps, benchmarks/NOTES.md): 4 up to ``SMALL_BATCH`` requests;
-    above, 1 for verify steps (next_n >= 2), 2 for decode steps."""
-    if num_req <= SMALL_BATCH:
-        return 4
-    return 1 if next_n > 1 else 2
+    above, 4 for verify steps at P >= 16 (larger completion tiles), else 2."""
+    return 4 if num_req <= SMALL_BATCH or (next_n > 1 and pool_size >= 16) else 2
 
 
 def step_tiles(next_n: int, pool_size: int) -> dict:
