@@ -175,9 +175,10 @@ def test_dot_exact_at_accumulator_bounds(backend, device, fp8_dtype):
     q[0, 0], k[0] = full, full  # hi.hi at its bound in both 64-dim halves
     q[1, 1], k[1] = full, full
     k[1, 0] = k[1, 64] = q[1, 1, 0] = q[1, 1, 64] = step  # ... plus h^2 twice: bit 0 of each accumulator
-    q[2, 2], k[2] = full, full * 0 + 1.5 * step  # hi.lo at its bound: 448 * (h / 2) * 128, one sign
-    k[2, 5] = step / 2 ** 9  # ... plus h * u: the smallest subnormal
-    q[3, 3], k[3] = full * 0 + 1.5 * step, full  # lo.hi
+    q[2, 2], k[2] = full, full * 0 + 1.5 * step  # lo_k.hi_q at its bound: 448 * (h / 2) * 128, one sign
+    q[2, 2, 5], k[2, 5] = step, step / 2 ** 9  # ... plus h * u (the smallest subnormal): bit 0
+    q[3, 3], k[3] = full * 0 + 1.5 * step, full  # hi_k.lo_q
+    q[3, 3, 9], k[3, 9] = step / 2 ** 9, step
     q[4, 4], k[4] = full * 0 + 0.5 * step, full * 0 + 0.5 * step  # lo.lo: (h / 2)^2 * 128
     q[4, 4, 9] = k[4, 9] = step / 2 ** 9
     q, k = q.to(fp8_dtype), k.to(fp8_dtype)
