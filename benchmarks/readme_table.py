@@ -128,6 +128,20 @@ def fp8_table(doc) -> list[str]:
     return lines
 
 
+def flops_line(doc) -> list[str]:
+    """Scoring records with a FLOP count (prefill, ragged logits): TFLOP/s, and the fraction of
+    the same run's measured fp8 matmul rate where it was measured."""
+    recs = [r for r in doc["results"] if r["impl"] == "ours" and r["status"] == "ok" and r.get("tflops")]
+    if not recs:
+        return []
+    parts = []
+    for r in recs:
+        mm = r.get("fp8_mm_tflops")
+        rate = f" = {_f(r['tflops'] / mm, '.3f')} of the measured fp8 matmul ({_f(mm, '.0f')} TFLOP/s)" if mm else ""
+        parts.append(f"{r['case']} {_f(r['tflops'], '.1f')} TFLOP/s{rate}")
+    return ["Scoring rate (`2·H·128` FLOP per visible pool per query): " + "; ".join(parts) + "."]
+
+
 def merged_note(meta) -> str:
     """Header sentences for records merged in from other runs (``merge_results.py``)."""
     return "".join(f" The {', '.join(m['ops'])} records are from another run: commit "
@@ -153,7 +167,7 @@ def render(doc, source: str = "") -> str:
     t = throughput_table(doc)
     if t:
         out += t + [""]
-    for extra in (decode_table(doc), fp8_table(doc)):
+    for extra in (decode_table(doc), fp8_table(doc), flops_line(doc)):
         if extra:
             out += extra + [""]
     shown = {(op, impl) for op, impls in PRIMARY.items() for impl in impls}

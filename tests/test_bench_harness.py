@@ -116,6 +116,12 @@ def test_readme_table_render_and_rewrite(tmp_path):
     assert "| compress + write | P=16 pools=262144 | ours |" in block
     assert "B=1024" in block and "ours, RING=2P" in block
     assert "did not complete" in block  # the injected error is reported, not hidden
+    assert "Scoring rate" not in block  # no record with a FLOP count
+    rec = dict(doc["results"][0], op="score", case="prefill q=8 pools=96", impl="ours", status="ok",
+               tflops=33.2, fp8_mm_tflops=1250.0)
+    line = rt.flops_line(dict(doc, results=[rec, dict(rec, case="ragged", fp8_mm_tflops=None)]))
+    assert line == ["Scoring rate (`2·H·128` FLOP per visible pool per query): prefill q=8 pools=96 33.2 TFLOP/s "
+                    "= 0.027 of the measured fp8 matmul (1250 TFLOP/s); ragged 33.2 TFLOP/s."]
     readme = tmp_path / "README.md"
     readme.write_text("# kpool\n\nintro\n")
     json_path = tmp_path / "r.json"
