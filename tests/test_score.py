@@ -99,3 +99,31 @@ def test_validation(backend, device):
         paged_pool_topk(q[..., :64], kv, w, lens, pt, 4)
     with pytest.raises(ValueError, match="page_table"):
         paged_pool_topk(q, kv, w, lens, torch.tensor([[0, 5]], dtype=torch.int32, device=device), 4)
+
+
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e4m3fnuz])
+@pytest.mark.parametrize("layout", ["plain", "preshuffle"])
+def test_exactness_run_scoring_check(device, fp8_dtype, layout):
+    """``kpool.exactness.check_scores`` (the GPU run's scoring case) at a small size: several
+    leaves per row, some rows with at most ``select_k`` pools; nothing differs."""
+    from kpool import exactness
+    gen = torch.Generator().manual_seed(5)
+    diff, total = exactness.check_scores(4, 700, 16, 16, fp8_dtype, layout, device, gen)
+    assert total == 4 * 700 + 4 * 16 and diff == 0
+
+
+def test_exactness_run_scoring_check_counts_differences(device, monkeypatch):
+    """The check is not vacuous: a selection with one id changed is one differing value."""
+    import kpool
+    from kpool import exactness
+    real = kpool.paged_pool_topk
+
+    def off_by_one(*args, **kw):
+        ids = real(*args, **kw)
+        ids[0, 0] += 1
+        return ids
+
+    monkeypatch.setattr(kpool, "paged_pool_topk", off_by_one)
+    gen = torch.Generator().manual_seed(6)
+    diff, _ = exactness.check_scores(2, 300, 16, 16, torch.float8_e4m3fn, "plain", device, gen)
+    assert diff == 1

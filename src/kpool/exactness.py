@@ -4,8 +4,10 @@
 kernels into a cache pre-filled with random bytes and compares every byte of it (and of
 the rings) with the CPU reference, for P in {4, 16}, both fp8 formats and both layouts;
 then decode / verify steps (``decode_cases``: next_n 1, 4 and P + 1, at 64 requests and at
-``--decode-requests``, covering both warp counts of the decode kernel). Prints one line per
-case and exits non-zero on any differing byte.
+``--decode-requests``, covering both warp counts of the decode kernel); then the scorers
+(``check_scores``: paged logits and the fused selection over ``--score-requests`` x
+``--score-pools`` random fp8 pools, both formats, both layouts). Prints one line per case and
+exits non-zero on any differing byte.
 """
 
 from __future__ import annotations
@@ -85,6 +87,46 @@ def check_decode(num_req, next_n, p, ring, fp8_dtype, layout, device, gen, page=
     return _diff(got_kv, ref_kv) + _diff(got_tail, ref_tail), got_kv.numel() + got_tail.numel() * 2
 
 
+def _finite_codes(shape, fp8_dtype, gen):
+    """Uniformly random finite codes of the format (every magnitude, subnormals, both zeros)."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    codes = codes[~torch.isnan(codes.view(fp8_dtype).float())]
+    return codes[torch.randint(0, codes.numel(), shape, generator=gen)]
+
+
+def check_scores(num_req, n_pools, heads, select_k, fp8_dtype, layout, device, gen, page=64):
+    """``paged_pool_logits`` and ``paged_pool_topk`` (Triton on ``device``) vs the torch
+    reference on the CPU: requests of up to ``n_pools`` random pools each (uniformly random
+    finite codes, power-of-two and other scales) on shuffled pages of a random-byte cache,
+    random visible counts (some at most ``select_k``). Returns ``(differing values, compared)``:
+    logits compared as fp32 bits (any NaN matches any NaN), selections as int32."""
+    import kpool
+    from kpool import reference
+    from kpool.layout import write_entries
+
+    pages_per = -(-n_pools // page)
+    num_pages = num_req * pages_per + 1
+    kv = torch.randint(0, 256, (num_pages, page, 132), dtype=torch.uint8, generator=gen)
+    slots = num_pages * page
+    scales = torch.exp2(torch.randint(-14, -4, (slots,), generator=gen).float())
+    scales[::7] *= 1.375
+    write_entries(kv, torch.arange(slots), _finite_codes((slots, 128), fp8_dtype, gen), scales, layout)
+    page_table = torch.randperm(num_pages, generator=gen)[: num_req * pages_per].view(num_req, pages_per)
+    pool_lens = torch.randint(0, n_pools + 1, (num_req, 1), generator=gen)
+    pool_lens[: max(1, num_req // 8)] = torch.randint(0, select_k + 1, (max(1, num_req // 8), 1), generator=gen)
+    q = _finite_codes((num_req, 1, heads, 128), fp8_dtype, gen).view(fp8_dtype)
+    w = torch.randn(num_req, 1, heads, generator=gen) * 0.05
+    args = (q, kv, w, pool_lens, page_table)
+    opts = dict(layout=layout, fp8_dtype=fp8_dtype, max_pools=n_pools)
+    want = _with_backend("torch", lambda: kpool.paged_pool_logits(*args, **opts))
+    want_ids = reference.select_pools(want, pool_lens.view(-1), select_k)
+    dev = tuple(a.to(device) for a in args)
+    got = _with_backend("triton", lambda: kpool.paged_pool_logits(*dev, **opts)).cpu()
+    got_ids = _with_backend("triton", lambda: kpool.paged_pool_topk(*dev, select_k, **opts)).cpu()
+    same = (got.view(torch.int32) == want.view(torch.int32)) | (torch.isnan(got) & torch.isnan(want))
+    return int((~same).sum()) + int((got_ids != want_ids).sum()), got.numel() + got_ids.numel()
+
+
 def decode_cases(p, many):
     """``(ring multiple, next_n, requests)`` of the decode checks: plain decode and a 4-token
     verify step with many requests and with 64 (both warp counts of ``decode.decode_warps`` at P = 4),
@@ -98,6 +140,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--pools", type=int, default=65536)
     parser.add_argument("--decode-requests", type=int, default=2048)
+    parser.add_argument("--score-requests", type=int, default=32)
+    parser.add_argument("--score-pools", type=int, default=16384)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -123,6 +167,16 @@ def main(argv=None) -> int:
                 print(f"decode   P={p:2d} {str(fp8):22s} ring={p * ring_mult} next_n={next_n} "
                       f"requests={num_req} differing bytes {diff} / {total}", flush=True)
                 bad += diff
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+        for layout in ("plain", "preshuffle"):
+            t0 = time.perf_counter()
+            diff, total = check_scores(args.score_requests, args.score_pools, 32, 512, fp8, layout, device, gen)
+            rows.append(dict(op="score", fp8=str(fp8), layout=layout, requests=args.score_requests,
+                             pools=args.score_pools, values_compared=total, differing_values=diff))
+            print(f"score    H=32 {str(fp8):22s} {layout:10s} requests={args.score_requests} "
+                  f"pools={args.score_pools} differing values {diff} / {total}  ({time.perf_counter() - t0:.1f}s)",
+                  flush=True)
+            bad += diff
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
