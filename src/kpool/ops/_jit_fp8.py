@@ -23,19 +23,12 @@ import torch
 import triton
 import triton.language as tl
 
-UNIT_FN = 2.0 ** -9  # e4m3fn unit: every finite value is an integer multiple of it
-UNIT_FNUZ = 2.0 ** -10  # e4m3fnuz unit
 _ROUND_FN = tl.constexpr(1536.0)  # 1.5 * 2^10: fp16 ulp 1 in [1024, 2048): rounds to the step 1
 _ROUND_FNUZ = tl.constexpr(768.0)  # 1.5 * 2^9: fp16 ulp 1/2 in [512, 1024): rounds to the step 1/2
 
 
-def fp8_unit(fnuz: bool) -> float:
-    """The format's unit: every finite value is an integer multiple of it."""
-    return UNIT_FNUZ if fnuz else UNIT_FN
-
-
 def half_step(fnuz: bool) -> float:
-    """The step ``h`` of the high half (``h / unit = 512``)."""
+    """The step ``h`` of the high half: 512 units of the format (``reference.fp8_int_table``)."""
     return 0.5 if fnuz else 1.0
 
 
