@@ -56,37 +56,15 @@ def _load_token(key_ptr, key_row, g_ptr, g_row, ts_ptr, ts_off, loc_ptr, loc_off
 
 
 @triton.jit
-def _token_step(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_block_stride, tail_head,
-                num_ring_slots, key_ptr, key_row, g_ptr, g_row, ape_ptr, ape_stride, k, g, ts, loc, pos, d,
-                P: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr, PRESHUFFLE: tl.constexpr,
-                FP8_MAX: tl.constexpr, FNUZ: tl.constexpr, ROUND_SCALE: tl.constexpr,
-                NATIVE_FP8: tl.constexpr, ROW_SELECT: tl.constexpr):
-    # One token (rows k, g at key_row / g_row, metadata ts, loc, pos): its completion, then its stash.
-    one = tl.zeros((1,), tl.int64)  # [1] vectors: the pool helpers work on tiles of BN = 1 pools
-    stash = (pos >= 0) & (ts >= 0) & (ts < num_ring_slots)
-    ring_off = (tl.where(stash, ts, 0) // RING) * tail_block_stride
-    if stash & (pos % P == P - 1) & (loc >= 0) & (loc < num_slots):
-        # slots 0..P-2 from the ring as the step's earlier tokens left it, slot P-1 is the token itself
-        x = _jit.pool_vector(key_ptr, g_ptr, one + key_row, one + g_row, 0, 0,
-                             tail_ptr, one + ring_off, tail_head, one + pos - (P - 1), one + (P - 1),
-                             ape_ptr, ape_stride, d, one == 0, 1, P, RING, True, ROW_SELECT)
-        _jit.encode_and_store(kv_ptr, kv_f32_ptr, page_stride, x, one + loc, one == 0, d, 1, PAGE, PRESHUFFLE,
-                              FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)
-    dst = tail_ptr + ring_off + (pos % RING) * 128 + d
-    rows = d < tl.where(stash, 128, 0)  # as in _load_token: a vector mask
-    tl.store(dst, k, mask=rows)
-    tl.store(dst + tail_head, g, mask=rows)
-
-
-@triton.jit
 def _in_order_step(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_block_stride, tail_head,
                    num_ring_slots, key_ptr, key_sb, key_st, g_ptr, g_sb, g_st, ape_ptr, ape_stride,
                    ts_ptr, ts_sb, ts_st, loc_ptr, loc_sb, loc_st, pos_ptr, pos_sb, pos_st, next_n, b, d,
                    P: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr, PRESHUFFLE: tl.constexpr,
                    FP8_MAX: tl.constexpr, FNUZ: tl.constexpr, ROUND_SCALE: tl.constexpr,
                    NATIVE_FP8: tl.constexpr, ROW_SELECT: tl.constexpr):
-    # Request b's tokens one at a time (_token_step); token j + 1's metadata and rows are
-    # loaded before token j writes the ring (software pipelining); a barrier after each token.
+    # Request b's tokens one at a time; token j + 1's metadata and rows are loaded before
+    # token j writes the ring (software pipelining); a barrier after each token's ring writes.
+    one = tl.zeros((1,), tl.int64)  # [1] vectors: the pool helpers work on tiles of BN = 1 pools
     k, g, ts, loc, pos = _load_token(key_ptr, b * key_sb, g_ptr, b * g_sb, ts_ptr, b * ts_sb, loc_ptr, b * loc_sb,
                                      pos_ptr, b * pos_sb, next_n > 0, d)
     for j in range(0, next_n):
@@ -96,9 +74,19 @@ def _in_order_step(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_bl
         k1, g1, ts1, loc1, pos1 = _load_token(key_ptr, key_row + key_st, g_ptr, g_row + g_st,
                                               ts_ptr, b * ts_sb + nj * ts_st, loc_ptr, b * loc_sb + nj * loc_st,
                                               pos_ptr, b * pos_sb + nj * pos_st, nj < next_n, d)
-        _token_step(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_block_stride, tail_head,
-                    num_ring_slots, key_ptr, key_row, g_ptr, g_row, ape_ptr, ape_stride, k, g, ts, loc, pos, d,
-                    P, RING, PAGE, PRESHUFFLE, FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8, ROW_SELECT)
+        stash = (pos >= 0) & (ts >= 0) & (ts < num_ring_slots)
+        ring_off = (tl.where(stash, ts, 0) // RING) * tail_block_stride
+        if stash & (pos % P == P - 1) & (loc >= 0) & (loc < num_slots):
+            # slots 0..P-2 from the ring as this step left it, slot P-1 is token j itself
+            x = _jit.pool_vector(key_ptr, g_ptr, one + key_row, one + g_row, 0, 0,
+                                 tail_ptr, one + ring_off, tail_head, one + pos - (P - 1), one + (P - 1),
+                                 ape_ptr, ape_stride, d, one == 0, 1, P, RING, True, ROW_SELECT)
+            _jit.encode_and_store(kv_ptr, kv_f32_ptr, page_stride, x, one + loc, one == 0, d, 1, PAGE, PRESHUFFLE,
+                                  FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)
+        dst = tail_ptr + ring_off + (pos % RING) * 128 + d
+        rows = d < tl.where(stash, 128, 0)  # as in _load_token: a vector mask
+        tl.store(dst, k, mask=rows)
+        tl.store(dst + tail_head, g, mask=rows)
         tl.debug_barrier()  # token j's ring writes precede token j + 1's ring reads
         k, g, ts, loc, pos = k1, g1, ts1, loc1, pos1
 
@@ -116,12 +104,11 @@ def _decode_update_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
     # NB >= next_n (a power of two), NC >= cdiv(next_n, P): the most completions in one step.
     b = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, 128)
-    if NB == 1:  # one token (next_n == 1): the step is that token, nothing to prefetch
-        k, g, ts, loc, pos = _load_token(key_ptr, b * key_sb, g_ptr, b * g_sb, ts_ptr, b * ts_sb, loc_ptr,
-                                         b * loc_sb, pos_ptr, b * pos_sb, next_n > 0, d)
-        _token_step(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_block_stride, tail_head,
-                    num_ring_slots, key_ptr, b * key_sb, g_ptr, b * g_sb, ape_ptr, ape_stride, k, g, ts, loc, pos, d,
-                    P, RING, PAGE, PRESHUFFLE, FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8, ROW_SELECT)
+    if NB == 1:  # one token: the walk is the step
+        _in_order_step(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_block_stride, tail_head,
+                       num_ring_slots, key_ptr, key_sb, key_st, g_ptr, g_sb, g_st, ape_ptr, ape_stride,
+                       ts_ptr, ts_sb, ts_st, loc_ptr, loc_sb, loc_st, pos_ptr, pos_sb, pos_st, next_n, b, d,
+                       P, RING, PAGE, PRESHUFFLE, FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8, ROW_SELECT)
         return
     j = tl.arange(0, NB)
     in_step = j < next_n
