@@ -548,7 +548,6 @@ def test_random_schedules(backend, pool, spec):
     run()
 
 
-
 @pytest.mark.parametrize("pool", [4, 16])
 def test_random_schedules_without_row_select(pool, monkeypatch):
     """The ring-fed writers (decode, prefill head pools) with ``ROW_SELECT`` off, as AMD targets
@@ -566,6 +565,7 @@ def test_random_schedules_without_row_select(pool, monkeypatch):
         run_schedule(data, "triton", pool, 3)
 
     run()
+
 
 # --- 2. one stream, any split: identical pooled bytes --------------------------------------
 

@@ -113,7 +113,8 @@ def check_scores(num_req, n_pools, heads, select_k, fp8_dtype, layout, device, g
     write_entries(kv, torch.arange(slots), _finite_codes((slots, 128), fp8_dtype, gen), scales, layout)
     page_table = torch.randperm(num_pages, generator=gen)[: num_req * pages_per].view(num_req, pages_per)
     pool_lens = torch.randint(0, n_pools + 1, (num_req, 1), generator=gen)
-    pool_lens[: max(1, num_req // 8)] = torch.randint(0, select_k + 1, (max(1, num_req // 8), 1), generator=gen)
+    few = max(1, num_req // 8)  # rows seeing at most select_k pools
+    pool_lens[:few] = torch.randint(0, select_k + 1, (few, 1), generator=gen)
     q = _finite_codes((num_req, 1, heads, 128), fp8_dtype, gen).view(fp8_dtype)
     w = torch.randn(num_req, 1, heads, generator=gen) * 0.05
     args = (q, kv, w, pool_lens, page_table)
