@@ -174,16 +174,21 @@ def test_fp8_kernels_follow_the_native_fp8_table():
 def test_launch_options_the_launchers_use():
     """Per-case compile options (``_opt_`` keys): the decode kernel compiles with every warp
     count ``decode_warps`` picks; the fused scorer with its NUM_WARPS; leaves at both ends
-    of ``plan_leaves``' range, below KB (sort-and-pad) and above (top-k)."""
-    from kpool.ops import decode, score, topk
+    of ``plan_leaves``' range, below KB (sort-and-pad) and above (top-k); the prefill writer
+    with its register cap at the P that has one."""
+    from kpool.ops import decode, prefill, score, topk
     jobs = aot.build_jobs(targets=["sm_90"], kernels=["_decode_update_kernel", "_paged_topk_kernel",
                                                       "_chunk_topk_kernel"])
     warps = {j.options.get("num_warps") for j in jobs if j.kernel == "_decode_update_kernel"}
-    assert warps == {decode.decode_warps(b, p, n) for b in (1, 1 << 20) for p in (4, 16) for n in (1, 4)} == {2, 4}
+    assert warps == {decode.decode_warps(b, p, n) for b in (1, 1 << 20) for p in (4, 16) for n in (1, 4)} == {1, 2, 4}
     assert {j.options.get("num_warps") for j in jobs if j.kernel == "_paged_topk_kernel"} == {score.NUM_WARPS}
     leaves = {(j.constexprs["KB"], j.constexprs["CHUNK"]) for j in jobs if j.kernel == "_chunk_topk_kernel"}
     assert any(c < kb for kb, c in leaves) and any(c >= kb for kb, c in leaves)
     assert min(c for _, c in leaves) == topk.MIN_CHUNK
+    # the prefill writer's register cap, per P, as launch_options sets it on CUDA
+    caps = {(j.constexprs["P"], j.options.get("maxnreg")) for j in aot.build_jobs(targets=["sm_90"],
+                                                                                  kernels=["_prefill_kernel"])}
+    assert caps == {(p, prefill.MAX_REGS.get(p)) for p in (4, 16)} and prefill.MAX_REGS
 
 
 def test_every_kernel_compiles_for_every_target(capsys):

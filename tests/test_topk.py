@@ -81,6 +81,43 @@ def test_threshold_selection(backend, device, select_k, block, monkeypatch):
     check(logits, pool_lens, select_k, device)
 
 
+@pytest.mark.parametrize("select_k", [16, 100])
+def test_survivor_bound_is_tight(device, select_k, monkeypatch):
+    """The survivors are exactly the listed keys (each leaf's ``KW = min(leaf, KB)`` best) at
+    or above the smallest ``rank``-th best key of the wholly visible leaves (``rank =
+    cdiv(select_k, full leaves)``), whatever the lists' order: sorted top-KB lists (select_k
+    16: leaves of 32 > KB = 16) and lists that keep all their keys, unsorted after their
+    ``HEAD`` best (select_k 100: leaves of 32, rank 2) or sorted (a row with 8 full leaves:
+    rank 13 <= HEAD, unsorted; 4 full leaves: rank 25 > HEAD, sorted). Each leaf's best pools
+    come last, so an unsorted list's order differs from the sorted one."""
+    monkeypatch.setenv("KPOOL_BACKEND", "triton")
+    monkeypatch.setattr(topk, "MIN_CHUNK", 32)
+    seen = {}
+    real = topk.threshold_select
+
+    def spy(cand, chunk, lens, n_cols, k, out):
+        seen.update(cand=cand.clone(), chunk=chunk, lens=lens, n_cols=n_cols)
+        real(cand, chunk, lens, n_cols, k, out)
+
+    monkeypatch.setattr(topk, "threshold_select", spy)
+    g = torch.Generator().manual_seed(7 + select_k)
+    n = 20 * max(32, topk.key_block(select_k))
+    logits = torch.randn(4, n, generator=g).sort(dim=1).values  # ascending: each leaf's best last
+    logits[1] = logits[1, torch.randperm(n, generator=g)]
+    pool_lens = torch.tensor([n, n - 16, 8 * 32 + 5, 4 * 32 + 5])
+    check(logits, pool_lens, select_k, device)
+    leaf, kw = seen["chunk"], min(seen["chunk"], topk.key_block(select_k))
+    assert leaf == 32
+    _, count = topk.survivors(seen["cand"], leaf, seen["lens"], seen["n_cols"], select_k)
+    keys = reference.pool_order_keys(logits)  # [rows, n] int64
+    for r, vis in enumerate(pool_lens.tolist()):
+        full = vis // leaf
+        rank = -(-select_k // full)
+        listed = torch.cat([keys[r, i:min(i + leaf, vis)].sort(descending=True).values[:kw] for i in range(0, vis, leaf)])
+        bound = keys[r, :full * leaf].view(full, leaf).sort(dim=1, descending=True).values[:, rank - 1].min()
+        assert int(count[r]) == int((listed >= bound).sum()) >= select_k, f"row {r}"
+
+
 def test_ties_resolve_to_lower_id(backend, device):
     logits = torch.zeros(3, 50)
     logits[0, [3, 9, 17, 30, 44]] = 5.0  # 5 tied winners, select 3 -> the 3 lowest ids

@@ -214,7 +214,8 @@ def _prefill_specs(m):
                   pool_ptr="i64", req_ptr="i64"),
         cross=(pool_ring_axis(), layout_axis(), fp8_axis("FP8_MAX", "FNUZ")),
         cycle=(flag("ROUND_SCALE"), _PAGE),
-        derive=lambda c: dict(BN=BLOCK_POOLS.get(c["P"], 1), KEEP=c["P"]),  # as write_prefill on a GPU
+        derive=lambda c: dict(BN=BLOCK_POOLS.get(c["P"], 1), KEEP=c["P"],  # as write_prefill on a GPU
+                              **({"_opt_maxnreg": m.MAX_REGS[c["P"]]} if c["P"] in m.MAX_REGS else {})),
         target_derive=ring_writer_params,
         options=dict(enable_fp_fusion=False, num_warps=m.NUM_WARPS))}
 
@@ -227,7 +228,8 @@ def _decode_specs(m):
                   ts_ptr="i64", loc_ptr="i64", pos_ptr="i64"),
         cross=(pool_ring_axis(), layout_axis(), fp8_axis("FP8_MAX", "FNUZ")),
         cycle=(steps, flag("ROUND_SCALE"), _PAGE, int_ptr_axis("ts_ptr", "loc_ptr", "pos_ptr"),
-               axis("_opt_num_warps", sorted({m.decode_warps(1, 4, 1), m.decode_warps(1 << 20, 4, 1)}))),
+               axis("_opt_num_warps", sorted({m.decode_warps(b, p, n) for b in (1, 1 << 20) for p in (4, 16)
+                                              for n in (1, 4)}))),
         derive=lambda c: dict(NC=m.step_tiles(c["NB"], c["P"])["NC"]),  # as the launcher
         target_derive=ring_writer_params, options=dict(enable_fp_fusion=False))}
 
@@ -319,8 +321,9 @@ def _leaf_axis(granule=1, key="CHUNK"):
 
 
 def _survivor_axis(m):
-    """(KB, KW, LG) of ``topk.threshold_select`` (``m.survivor_block``) at both ends of the leaf range."""
-    return [dict(zip(("KB", "KW", "LG"), (c["KB"], *m.survivor_block(c["CHUNK"], c["KB"])))) for c in _leaf_axis()]
+    """(CHUNK, KW, LG) of ``topk.threshold_select`` (``m.survivor_block``) at both ends of the leaf range."""
+    return [dict(zip(("CHUNK", "KW", "LG"), (c["CHUNK"], *m.survivor_block(c["CHUNK"], c["KB"]))))
+            for c in _leaf_axis()]
 
 
 def _topk_specs(m):

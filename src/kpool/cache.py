@@ -492,9 +492,10 @@ def logits_budget_bytes() -> int:
     return max(1, int(mib * (1 << 20)))
 
 
-# paged_pool_topk's scratch per row and pool: the leaves' key lists (8 * KB bytes per leaf of
-# >= KB pools) and as many bytes of survivors (topk.threshold_select)
-SCRATCH_BYTES_PER_POOL = 16
+# paged_pool_topk's scratch per row and pool: the leaves' key lists (8 * (HEAD + min(chunk, KB))
+# bytes per leaf of chunk >= MIN_CHUNK = 128 pools: at most 9 per pool) and at most 8 bytes of
+# survivors (topk.threshold_select)
+SCRATCH_BYTES_PER_POOL = 17
 
 
 def _plan_chunks(items, budget, pool_size):

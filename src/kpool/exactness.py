@@ -130,7 +130,7 @@ def check_scores(num_req, n_pools, heads, select_k, fp8_dtype, layout, device, g
 
 def decode_cases(p, many):
     """``(ring multiple, next_n, requests)`` of the decode checks: plain decode and a 4-token
-    verify step with many requests and with 64 (both warp counts of ``decode.decode_warps`` at P = 4),
+    verify step with many requests and with 64 (every warp count of ``decode.decode_warps``),
     and a verify step longer than a pool (``next_n = P + 1``: two completions in one step, the
     later one from this step's own tokens; its last token reuses the first one's ring slot
     when RING = P)."""

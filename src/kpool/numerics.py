@@ -77,11 +77,12 @@ def exp_exact(x: torch.Tensor) -> torch.Tensor:
 
 
 def bf16_round(x: torch.Tensor) -> torch.Tensor:
-    """Round fp32 to the nearest bf16 (ties to even), returned as fp32. NaN stays NaN (quiet)."""
+    """Round fp32 to the nearest bf16 (ties to even), returned as fp32. A NaN gives a NaN
+    (sign and payload unspecified: only NaN-ness reaches the fp8 codes, ``fp8_encode``)."""
     u = x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     r = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-    r = torch.where(torch.isnan(x), (u | 0x00400000) & 0xFFFF0000, r)
-    return torch.where(r >= 2**31, r - 2**32, r).to(torch.int32).view(_F32)
+    r = torch.where(r >= 2**31, r - 2**32, r).to(torch.int32).view(_F32)
+    return torch.where(torch.isnan(x), _c(float("nan"), x), r)
 
 
 def fwht128(x: torch.Tensor) -> torch.Tensor:
@@ -115,9 +116,13 @@ def quant_scale(amax: torch.Tensor, fp8_dtype: torch.dtype, round_scale: bool = 
 
 
 def fp8_encode(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """fp32 -> fp8 codes (uint8): clamp to ``±FP8_MAX`` (NaN kept), round to nearest even."""
+    """fp32 -> fp8 codes (uint8): clamp to ``±FP8_MAX``, round to nearest even; every NaN
+    gives the format's canonical NaN code whatever its sign (0x7F e4m3fn, 0x80 e4m3fnuz), so
+    the codes do not depend on a platform's NaN sign propagation."""
     m = fp8_max(fp8_dtype)
-    return torch.clamp(x, -m, m).to(fp8_dtype).view(torch.uint8)
+    codes = torch.clamp(x, -m, m).to(fp8_dtype).view(torch.uint8)
+    nan_code = torch.tensor(0x80 if fp8_dtype == torch.float8_e4m3fnuz else 0x7F, dtype=torch.uint8, device=x.device)
+    return torch.where(torch.isnan(x), nan_code, codes)
 
 
 def quantize(y: torch.Tensor, fp8_dtype: torch.dtype, round_scale: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

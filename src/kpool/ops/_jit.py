@@ -38,11 +38,9 @@ def exp_exact(x):
 
 @triton.jit
 def bf16_round(x):
-    """fp32 -> nearest bf16 (ties to even) as fp32; a NaN keeps its sign and payload, quieted
-    (the conversion's own NaN output is not portable)."""
-    r = x.to(tl.bfloat16).to(tl.float32)
-    q = (((x.to(tl.uint32, bitcast=True) >> 16) | 0x40) << 16).to(tl.float32, bitcast=True)
-    return tl.where(x != x, q, r)
+    """fp32 -> nearest bf16 (ties to even) as fp32 (the native conversion); a NaN gives a NaN
+    whose sign and payload are the target's: only NaN-ness reaches the fp8 codes."""
+    return x.to(tl.bfloat16).to(tl.float32)
 
 
 @triton.jit
@@ -80,10 +78,10 @@ def quant_scale(amax, INV_MAX: tl.constexpr, ROUND_SCALE: tl.constexpr):
 
 @triton.jit
 def fp8_encode(x, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr):
-    """fp32 -> fp8 e4m3 code (uint8) by integer ops: clamp to ±FP8_MAX, RNE, NaN kept.
+    """fp32 -> fp8 e4m3 code (uint8) by integer ops: clamp to ±FP8_MAX, RNE, NaN canonical.
 
     ``FNUZ``: e4m3fnuz (bias 8, NaN 0x80, no -0) instead of e4m3fn (bias 7, NaN 0x7F|sign).
-    Bit-identical to torch's ``clamp(x).to(fp8)`` and to the native conversions.
+    Bit-identical to ``numerics.fp8_encode`` and to the native conversions.
     """
     y = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
     u = y.to(tl.uint32, bitcast=True)
@@ -110,13 +108,9 @@ def fp8_encode(x, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr):
 
 @triton.jit
 def _with_nan_codes(x, code, FNUZ: tl.constexpr):
-    """uint8 codes of ``x`` with NaN inputs set to torch's NaN code: 0x80 (fnuz), 0x7F with
-    the NaN's sign bit (fn; PTX ``cvt`` would give 0x7F for every NaN)."""
-    if FNUZ:
-        nan_code = 0x80
-    else:
-        nan_code = 0x7F | ((x.to(tl.uint32, bitcast=True) >> 31) << 7)
-    return tl.where(x != x, nan_code, code.to(tl.uint32)).to(tl.uint8)
+    """uint8 codes of ``x`` with every NaN input set to the format's canonical NaN code,
+    whatever its sign: 0x80 (fnuz), 0x7F (fn)."""
+    return tl.where(x != x, 0x80 if FNUZ else 0x7F, code.to(tl.uint32)).to(tl.uint8)
 
 
 @triton.jit

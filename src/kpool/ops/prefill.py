@@ -17,12 +17,16 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .._backend import backend_for, native_fp8, row_select
+from .._backend import backend_for, device_target, native_fp8, row_select
 from ..layout import fp8_max
 from . import _jit
 from .compress import NUM_WARPS, block_pools
 
 REQUEST_FIELDS = 8  # int64 per request row, see write_prefill
+# CUDA register cap by P: at P=16 the kernel compiles to 132 registers (15 one-warp programs
+# per SM; the request programs' ring path), 128 lets 16 run (H200: 64 requests / 262,144
+# tokens 41.8 -> 38.1 us; an 8-byte spill in the request path)
+MAX_REGS = {16: 128}
 _REQUEST_FIELDS = tl.constexpr(REQUEST_FIELDS)  # the same, for the kernel
 
 
@@ -65,6 +69,14 @@ def _prefill_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_b
                        tl.load(req), tl.load(req + 1), block, tl.load(req + 3), d, RING, KEEP)
 
 
+def launch_options(device, pool_size: int) -> dict:
+    """Compile options of ``_prefill_kernel``: ``MAX_REGS`` applies to CUDA targets only."""
+    opts = dict(num_warps=NUM_WARPS, enable_fp_fusion=False)
+    if pool_size in MAX_REGS and device_target(device)[0] == "cuda":
+        opts["maxnreg"] = MAX_REGS[pool_size]
+    return opts
+
+
 def write_prefill(kv_cache, tail, key, gate, ape, pools, requests, pool_size, *, layout, fp8_dtype,
                   round_scale=True):
     """Write a packed prefill batch's pools and seed its rings, in place (one launch).
@@ -98,5 +110,5 @@ def write_prefill(kv_cache, tail, key, gate, ape, pools, requests, pool_size, *,
         P=pool_size, RING=tail.shape[2], PAGE=kv_cache.shape[1], BN=block, PRESHUFFLE=layout == "preshuffle",
         FP8_MAX=fp8_max(fp8_dtype), FNUZ=fp8_dtype == torch.float8_e4m3fnuz, ROUND_SCALE=round_scale,
         NATIVE_FP8=native_fp8(key.device, fp8_dtype), KEEP=triton.next_power_of_2(pool_size), ROW_SELECT=row_select(),
-        num_warps=NUM_WARPS, enable_fp_fusion=False,
+        **launch_options(key.device, pool_size),
     )

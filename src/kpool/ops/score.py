@@ -83,7 +83,8 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
             if t0 + r < next_n:
                 mine = tl.max(tl.where(rr[None, None, :] == r, keys, topk.NO_KEY), axis=2)  # [NT, BN]
                 row = b * next_n + t0 + r
-                topk.store_leaf(tl.reshape(mine, (NT * BN,)), cand_ptr + (row * n_chunks + chunk) * KB,
+                topk.store_leaf(tl.reshape(mine, (NT * BN,)),
+                                topk.leaf_list(cand_ptr, row * n_chunks + chunk, NT * BN, KB),
                                 out_ptr + row * out_stride, tl.max(tl.where(rr == r, n_vis, 0)), select_k,
                                 NT * BN, KB, FINAL)
     elif FINAL:

@@ -14,11 +14,14 @@ the inputs; pools a row does not see get the key ``INT64_MIN``.
 
 Kernels:
 
-1. leaves: one program per (row, chunk of ``CHUNK`` pools) keeps the ``KB`` best keys of
-   its chunk (``KB = next_pow2(select_k)``), sorted (``tl.topk``; all of them, sorted and
-   padded, when ``CHUNK < KB``: small batches get more, smaller leaves). ``_chunk_topk_kernel``
-   reads the keys' scores from a logits row; ``ops/score.py``'s fused decode kernel computes
-   them on chip and never writes a logits row. A row with one leaf writes its ids there.
+1. leaves: one program per (row, chunk of ``CHUNK`` pools) keeps the ``KW = min(CHUNK, KB)``
+   best keys of its chunk (``KB = next_pow2(select_k)``; small batches get more, smaller
+   leaves). ``_chunk_topk_kernel`` reads the keys' scores from a logits row;
+   ``ops/score.py``'s fused decode kernel computes them on chip and never writes a logits
+   row. A row with one leaf writes its ids there (sorted). Otherwise the leaf writes a *list*
+   of ``HEAD + KW`` keys: when it keeps all its keys and the row's bound rank (below) is at
+   most ``HEAD``, its ``HEAD`` best sorted (``tl.topk(keys, HEAD)``, far cheaper than a sort)
+   followed by all its keys unsorted; else its ``KW`` best sorted after ``HEAD`` unused slots.
 2. rows with several leaves, without merging the lists (``threshold_select``):
    ``_survivors_kernel`` (programs per (row, group of lists)) computes a lower bound of the
    row's ``select_k``-th best key (``_row_bound``: the ``cdiv(select_k, n_full)``-th key of
@@ -51,6 +54,7 @@ SELECT_BLOCK = 2048  # ... and keys per step of its passes (H200 sweep: 32 x 128
 SURVIVOR_KEYS = 2048  # keys per program of the survivor filter
 PROGRAMS_PER_SM = 2  # leaf grid target when choosing the leaf size
 MIN_KB = 16  # tl.topk / tl.arange below 16 keys do not lower on every target
+HEAD = tl.constexpr(MIN_KB)  # sorted best keys ahead of an unsorted leaf list (module docstring, 1.)
 NO_KEY = tl.constexpr(-9223372036854775807 - 1)  # INT64_MIN: the key of a pool the row does not see
 
 
@@ -95,25 +99,63 @@ def emit_in_order(out_ptr, n_vis, select_k, KB: tl.constexpr):
 
 
 @triton.jit
+def _bound_rank(n_vis, chunk, select_k):
+    """``(full, rank)``: a row's wholly visible leaves of ``chunk`` pools and the rank in each
+    of their lists of the key that bounds the row's ``select_k``-th best (``_row_bound``)."""
+    full = n_vis // chunk
+    return full, (select_k + tl.maximum(full, 1) - 1) // tl.maximum(full, 1)
+
+
+@triton.jit
+def _unsorted_list(rank, CHUNK: tl.constexpr, KW: tl.constexpr):
+    """Whether a row's leaf lists (leaves of ``CHUNK`` pools keeping ``KW`` keys) are their
+    ``HEAD`` best sorted followed by all ``CHUNK`` keys unsorted: leaves that keep all their
+    keys (``CHUNK == KW``, at least ``HEAD``) when the bound rank is at most ``HEAD``."""
+    if (CHUNK == KW) and (CHUNK >= HEAD):
+        return rank <= HEAD
+    else:
+        return rank < 0  # never
+
+
+@triton.jit
+def leaf_list(cand_ptr, index, CHUNK: tl.constexpr, KB: tl.constexpr):
+    """Pointer to leaf list ``index`` (row * n_chunks + chunk) of ``cand_ptr`` (``list_size`` keys each)."""
+    if CHUNK < KB:
+        return cand_ptr + index * (HEAD + CHUNK)
+    else:
+        return cand_ptr + index * (HEAD + KB)
+
+
+@triton.jit
 def store_leaf(keys, cand_ptr, out_ptr, n_vis, select_k, CHUNK: tl.constexpr, KB: tl.constexpr,
                FINAL: tl.constexpr):
-    """A leaf's ``KB`` best of ``keys [CHUNK]`` (all of them, sorted, ``INT64_MIN``-padded when
-    ``CHUNK < KB``): to ``cand_ptr``, or (``FINAL``, the row's only leaf) as ids to ``out_ptr``."""
-    if CHUNK >= KB:
-        top = tl.topk(keys, KB)
-    else:
-        pad = tl.arange(0, KB // CHUNK)[:, None] == 0
-        top = tl.reshape(tl.where(pad, tl.sort(keys, descending=True)[None, :], NO_KEY), (KB,))
+    """A leaf's keys ``[CHUNK]``: with ``FINAL`` (the row's only leaf) its ids to ``out_ptr``
+    (sorted, ``emit_selection``), else its list of ``HEAD + min(CHUNK, KB)`` keys to
+    ``cand_ptr`` (module docstring, 1.)."""
     if FINAL:
+        if CHUNK >= KB:
+            top = tl.topk(keys, KB)
+        else:
+            pad = tl.arange(0, KB // CHUNK)[:, None] == 0
+            top = tl.reshape(tl.where(pad, tl.sort(keys, descending=True)[None, :], NO_KEY), (KB,))
         emit_selection(out_ptr, top, n_vis, select_k, KB)
-    else:
-        tl.store(cand_ptr + tl.arange(0, KB), top)
+    elif CHUNK > KB:
+        tl.store(cand_ptr + HEAD + tl.arange(0, KB), tl.topk(keys, KB))
+    elif CHUNK < HEAD:
+        tl.store(cand_ptr + HEAD + tl.arange(0, CHUNK), tl.sort(keys, descending=True))
+    else:  # the leaf keeps all its keys: _unsorted_list decides the order
+        _, rank = _bound_rank(n_vis, CHUNK, select_k)
+        if _unsorted_list(rank, CHUNK, CHUNK):
+            tl.store(cand_ptr + tl.arange(0, HEAD), tl.topk(keys, HEAD))
+            tl.store(cand_ptr + HEAD + tl.arange(0, CHUNK), keys)
+        else:
+            tl.store(cand_ptr + HEAD + tl.arange(0, CHUNK), tl.sort(keys, descending=True))
 
 
 @triton.jit
 def _chunk_topk_kernel(x_ptr, x_stride, lens_ptr, lens_stride, cand_ptr, out_ptr, out_stride, n_cols, select_k,
                        n_chunks, CHUNK: tl.constexpr, KB: tl.constexpr, FINAL: tl.constexpr):
-    # Program (row, chunk): the KB best keys of logits x[row, chunk*CHUNK : +CHUNK].
+    # Program (row, chunk): the leaf of logits x[row, chunk*CHUNK : +CHUNK] (store_leaf).
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1).to(tl.int64)
     n_vis = visible_pools(lens_ptr, row * lens_stride, n_cols)
@@ -121,8 +163,8 @@ def _chunk_topk_kernel(x_ptr, x_stride, lens_ptr, lens_stride, cand_ptr, out_ptr
         j = chunk * CHUNK + tl.arange(0, CHUNK)
         vis = j < n_vis
         x = tl.load(x_ptr + row * x_stride + j, mask=vis, other=0.0)
-        store_leaf(pool_keys(x, j, vis), cand_ptr + (row * n_chunks + chunk) * KB, out_ptr + row * out_stride,
-                   n_vis, select_k, CHUNK, KB, FINAL)
+        store_leaf(pool_keys(x, j, vis), leaf_list(cand_ptr, row * n_chunks + chunk, CHUNK, KB),
+                   out_ptr + row * out_stride, n_vis, select_k, CHUNK, KB, FINAL)
     elif FINAL:
         emit_in_order(out_ptr + row * out_stride, n_vis, select_k, KB)
 
@@ -179,35 +221,35 @@ def _radix_threshold(base, cnt, lo, top, select_k, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _row_bound(base, n_vis, chunk, select_k, KB: tl.constexpr, LB: tl.constexpr):
-    """A lower bound of a row's ``select_k``-th best key from its leaf lists ``base[l, 0:KB]``
-    (descending, leaves of ``chunk`` pools; int64 scalar). The first ``n_vis // chunk`` lists
-    come from wholly visible leaves and hold ``min(chunk, KB)`` keys each; when their
-    ``cdiv(select_k, n_full)``-th keys exist, at least ``select_k`` keys are ``>=`` the
+def _row_bound(base, n_vis, select_k, CHUNK: tl.constexpr, KW: tl.constexpr, LB: tl.constexpr):
+    """A lower bound of a row's ``select_k``-th best key from its leaf lists at ``base``
+    (``store_leaf``, ``HEAD + KW`` keys each, leaves of ``CHUNK`` pools; int64 scalar). The
+    first ``full`` lists come from wholly visible leaves and hold ``KW`` keys each; when their
+    ``rank``-th keys exist (``_bound_rank``), at least ``select_k`` keys are ``>=`` the
     smallest of those. Else ``NO_KEY`` (every key)."""
-    full = (n_vis // chunk).to(tl.int32)
-    per_list = (select_k + tl.maximum(full, 1) - 1) // tl.maximum(full, 1)
-    bound = full * tl.minimum(chunk, KB) >= select_k
+    full, rank = _bound_rank(n_vis, CHUNK, select_k)
+    bound = full * KW >= select_k
+    at = tl.where(_unsorted_list(rank, CHUNK, KW), rank - 1, HEAD + rank - 1)  # in the sorted keys
     lst = tl.arange(0, LB)
-    heads = tl.load(base + lst * KB + per_list - 1, mask=lst < tl.where(bound, full, 0), other=9223372036854775807)
+    heads = tl.load(base + lst * (HEAD + KW) + at, mask=lst < tl.where(bound, full, 0), other=9223372036854775807)
     return tl.where(bound, tl.min(heads), NO_KEY)
 
 
 @triton.jit
-def _survivors_kernel(cand_ptr, n_lists, chunk, lens_ptr, lens_stride, n_cols, surv_ptr, count_ptr, select_k,
-                      KB: tl.constexpr, KW: tl.constexpr, LG: tl.constexpr, LB: tl.constexpr):
+def _survivors_kernel(cand_ptr, n_lists, lens_ptr, lens_stride, n_cols, surv_ptr, count_ptr, select_k,
+                      CHUNK: tl.constexpr, KW: tl.constexpr, LG: tl.constexpr, LB: tl.constexpr):
     # Program (row, group): appends the keys >= _row_bound of lists [group*LG, +LG) of
-    # cand[row] (their first KW = min(chunk, KB) entries, the rest is padding) to
-    # surv[row], at offsets claimed with an atomic on count[row]. The order of the survivors
-    # depends on the schedule; what follows only counts and sorts them.
+    # cand[row] (the KW keys after each list's HEAD slots) to surv[row], at offsets claimed
+    # with an atomic on count[row]. The order of the survivors depends on the schedule; what
+    # follows only counts and sorts them.
     row = tl.program_id(0).to(tl.int64)
     n_vis = visible_pools(lens_ptr, row * lens_stride, n_cols)
     if n_vis > select_k:
-        base = cand_ptr + row * n_lists * KB
-        lo = _row_bound(base, n_vis, chunk, select_k, KB, LB)
+        base = cand_ptr + row * n_lists * (HEAD + KW)
+        lo = _row_bound(base, n_vis, select_k, CHUNK, KW, LB)
         lst = tl.program_id(1) * LG + tl.arange(0, LG)
-        key = tl.load(base + lst[:, None] * KB + tl.arange(0, KW)[None, :], mask=(lst < n_lists)[:, None],
-                      other=NO_KEY)
+        key = tl.load(base + lst[:, None] * (HEAD + KW) + HEAD + tl.arange(0, KW)[None, :],
+                      mask=(lst < n_lists)[:, None], other=NO_KEY)
         key = tl.reshape(key, (LG * KW,))
         keep = (key >= lo) & (key != NO_KEY)
         at = tl.atomic_add(count_ptr + row, tl.sum(keep.to(tl.int32)))
@@ -263,20 +305,26 @@ def plan_leaves(rows: int, n_cols: int, select_k: int, device, granule: int = 1)
     return chunk, triton.cdiv(n_cols, chunk)
 
 
+def list_size(chunk: int, kb: int) -> int:
+    """int64 keys of a leaf list (``store_leaf``): ``HEAD`` slots, then ``min(chunk, KB)`` keys."""
+    return HEAD + min(chunk, kb)
+
+
 def select_by_leaves(out, lens, n_cols, select_k, launch_leaves, granule: int = 1) -> None:
     """Each row's selection into ``out [rows, select_k]`` int32: leaves, then (several leaves
     per row) ``threshold_select``.
 
     ``launch_leaves(cand, CHUNK, n_chunks, KB, FINAL)`` launches the leaf kernel on the grid
     ``(rows, n_chunks)``; with ``FINAL`` (one leaf per row) ``cand`` is ``out`` and the
-    leaves write the ids, else ``cand [rows, n_chunks, KB]`` int64 receives their key lists.
-    ``lens [rows]`` visible pools, clamped to ``n_cols``.
+    leaves write the ids, else ``cand [rows, n_chunks, list_size(CHUNK, KB)]`` int64 receives
+    their key lists. ``lens [rows]`` visible pools, clamped to ``n_cols``.
     """
     rows = out.shape[0]
     kb = key_block(select_k)
     chunk, n_chunks = plan_leaves(rows, n_cols, select_k, out.device, granule)
     final = n_chunks == 1
-    cand = out if final else torch.empty((rows, n_chunks, kb), dtype=torch.int64, device=out.device)
+    cand = out if final else torch.empty((rows, n_chunks, list_size(chunk, kb)), dtype=torch.int64,
+                                         device=out.device)
     launch_leaves(cand, chunk, n_chunks, kb, final)
     if not final:
         threshold_select(cand, chunk, lens, n_cols, select_k, out)
@@ -289,19 +337,28 @@ def survivor_block(chunk: int, kb: int) -> tuple:
     return kw, max(1, SURVIVOR_KEYS // kw)
 
 
-def threshold_select(cand, chunk, lens, n_cols, select_k, out) -> None:
-    """``cand [rows, n_lists, KB]`` (descending int64 key lists of leaves of ``chunk`` pools,
-    ``n_lists >= 2``) -> each row's selection in ``out [rows, select_k]`` int32."""
-    rows, n_lists, kb = cand.shape
-    kw, lg = survivor_block(chunk, kb)
+def survivors(cand, chunk, lens, n_cols, select_k) -> tuple:
+    """``cand [rows, n_lists, list_size(chunk, KB)]`` (``store_leaf``'s int64 key lists of
+    leaves of ``chunk`` pools) -> ``(surv [rows, n_lists * KW] int64, count [rows] int32)``:
+    row ``r``'s keys at or above its bound (``_row_bound``) are ``surv[r, :count[r]]``, in no
+    particular order (rows with at most ``select_k`` visible pools: none)."""
+    rows, n_lists, _ = cand.shape
+    kw, lg = survivor_block(chunk, key_block(select_k))
     surv = torch.empty((rows, n_lists * kw), dtype=torch.int64, device=cand.device)
     count = torch.zeros((rows,), dtype=torch.int32, device=cand.device)
-    lb = triton.next_power_of_2(n_lists)
     _survivors_kernel[(rows, triton.cdiv(n_lists, lg))](
-        cand, n_lists, chunk, lens, lens.stride(0), n_cols, surv, count, select_k, KB=kb, KW=kw, LG=lg, LB=lb)
-    _threshold_select_kernel[(rows,)](
-        surv, n_lists * kw, count, lens, lens.stride(0), n_cols, out, out.stride(0), select_k,
-        KB=kb, BLOCK=SELECT_BLOCK, num_warps=SELECT_WARPS,
+        cand, n_lists, lens, lens.stride(0), n_cols, surv, count, select_k, CHUNK=chunk, KW=kw, LG=lg,
+        LB=triton.next_power_of_2(n_lists))
+    return surv, count
+
+
+def threshold_select(cand, chunk, lens, n_cols, select_k, out) -> None:
+    """``cand`` as in ``survivors`` (``n_lists >= 2``) -> each row's selection in
+    ``out [rows, select_k]`` int32."""
+    surv, count = survivors(cand, chunk, lens, n_cols, select_k)
+    _threshold_select_kernel[(out.shape[0],)](
+        surv, surv.shape[1], count, lens, lens.stride(0), n_cols, out, out.stride(0), select_k,
+        KB=key_block(select_k), BLOCK=SELECT_BLOCK, num_warps=SELECT_WARPS,
     )
 
 
