@@ -80,7 +80,7 @@ def quant_scale(amax, INV_MAX: tl.constexpr, ROUND_SCALE: tl.constexpr):
 def fp8_encode(x, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr):
     """fp32 -> fp8 e4m3 code (uint8) by integer ops: clamp to ±FP8_MAX, RNE, NaN canonical.
 
-    ``FNUZ``: e4m3fnuz (bias 8, NaN 0x80, no -0) instead of e4m3fn (bias 7, NaN 0x7F|sign).
+    ``FNUZ``: e4m3fnuz (bias 8, NaN 0x80, no -0) instead of e4m3fn (bias 7, NaN 0x7F).
     Bit-identical to ``numerics.fp8_encode`` and to the native conversions.
     """
     y = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)

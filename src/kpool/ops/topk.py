@@ -307,7 +307,7 @@ def plan_leaves(rows: int, n_cols: int, select_k: int, device, granule: int = 1)
 
 def list_size(chunk: int, kb: int) -> int:
     """int64 keys of a leaf list (``store_leaf``): ``HEAD`` slots, then ``min(chunk, KB)`` keys."""
-    return HEAD + min(chunk, kb)
+    return MIN_KB + min(chunk, kb)  # HEAD as a Python int
 
 
 def select_by_leaves(out, lens, n_cols, select_k, launch_leaves, granule: int = 1) -> None:
