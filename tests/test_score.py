@@ -112,6 +112,21 @@ def test_exactness_run_scoring_check(device, fp8_dtype, layout):
     assert total == 4 * 700 + 4 * 16 and diff == 0
 
 
+def test_exactness_run_picks_ops(device, capsys):
+    """``python -m kpool.exactness --ops``: ``run_checks`` runs exactly the chosen kinds, in
+    order (compress at 8 pools, then the scoring cases), every one exact here; an unknown name
+    is an argparse error naming ``--ops``."""
+    from kpool import exactness
+    lines = []
+    rows, bad = exactness.run_checks(("score", "compress"), 8, 64, 2, 600, (16,), device,
+                                     torch.Generator().manual_seed(7), log=lines.append)
+    assert bad == 0 and [r["op"] for r in rows] == ["compress"] * 8 + ["score"] * 4 and len(lines) == 12
+    assert all(r["differing_bytes"] == 0 for r in rows[:8]) and all(r["H"] == 16 for r in rows[8:])
+    with pytest.raises(SystemExit):
+        exactness.main(["--ops", "compress,bogus"])
+    assert "--ops takes a comma list" in capsys.readouterr().err
+
+
 def test_exactness_run_scoring_check_counts_differences(device, monkeypatch):
     """The check is not vacuous: a selection with one id changed is one differing value."""
     import kpool

@@ -4,10 +4,11 @@
 kernels into a cache pre-filled with random bytes and compares every byte of it (and of
 the rings) with the CPU reference, for P in {4, 16}, both fp8 formats and both layouts;
 then decode / verify steps (``decode_cases``: next_n 1, 4 and P + 1, at 64 requests and at
-``--decode-requests``, covering both warp counts of the decode kernel); then the scorers
+``--decode-requests``, covering every warp count of the decode kernel); then the scorers
 (``check_scores``: paged logits and the fused selection over ``--score-requests`` x
-``--score-pools`` random fp8 pools, both formats, both layouts). Prints one line per case and
-exits non-zero on any differing byte.
+``--score-pools`` random fp8 pools, both formats, both layouts, ``--heads``). ``--ops`` picks
+a subset (``compress,decode,score``) so that a run fits a device call's time limit. Prints one
+line per case and exits non-zero on any differing byte.
 """
 
 from __future__ import annotations
@@ -137,47 +138,68 @@ def decode_cases(p, many):
     return ((1, 1, many), (2, 4, many), (2, 4, 64), (1, p + 1, 64), (1, p + 1, many))
 
 
+OPS = ("compress", "decode", "score")
+
+
+def _op_list(text: str) -> tuple:
+    ops = tuple(o.strip() for o in text.split(",") if o.strip())
+    unknown = [o for o in ops if o not in OPS]
+    if unknown or not ops:
+        raise argparse.ArgumentTypeError(f"--ops takes a comma list of {OPS}, got {text!r}")
+    return ops
+
+
+def run_checks(ops, pools, decode_requests, score_requests, score_pools, heads, device, gen, log=print):
+    """The cases of ``ops`` (a subset of ``OPS``) on ``device``; returns ``(rows, differing)``:
+    one dict per case and the total of differing bytes / values. ``log`` gets one line per case."""
+    rows, bad = [], 0
+    for p in (4, 16):
+        for fp8 in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+            for layout in ("plain", "preshuffle") if "compress" in ops else ():
+                t0 = time.perf_counter()
+                diff, total = check_compress(pools, p, fp8, layout, device, gen)
+                rows.append(dict(op="compress", P=p, fp8=str(fp8), layout=layout, pools=pools,
+                                 bytes_compared=total, differing_bytes=diff))
+                log(f"compress P={p:2d} {str(fp8):22s} {layout:10s} pools={pools} "
+                    f"differing bytes {diff} / {total}  ({time.perf_counter() - t0:.1f}s)")
+                bad += diff
+            for ring_mult, next_n, num_req in decode_cases(p, decode_requests) if "decode" in ops else ():
+                diff, total = check_decode(num_req, next_n, p, p * ring_mult, fp8, "plain", device, gen)
+                rows.append(dict(op="decode", P=p, fp8=str(fp8), ring=p * ring_mult, next_n=next_n,
+                                 requests=num_req, bytes_compared=total, differing_bytes=diff))
+                log(f"decode   P={p:2d} {str(fp8):22s} ring={p * ring_mult} next_n={next_n} "
+                    f"requests={num_req} differing bytes {diff} / {total}")
+                bad += diff
+    for h in heads if "score" in ops else ():
+        for fp8 in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+            for layout in ("plain", "preshuffle"):
+                t0 = time.perf_counter()
+                diff, total = check_scores(score_requests, score_pools, h, 512, fp8, layout, device, gen)
+                rows.append(dict(op="score", H=h, fp8=str(fp8), layout=layout, requests=score_requests,
+                                 pools=score_pools, values_compared=total, differing_values=diff))
+                log(f"score    H={h} {str(fp8):22s} {layout:10s} requests={score_requests} "
+                    f"pools={score_pools} differing values {diff} / {total}  ({time.perf_counter() - t0:.1f}s)")
+                bad += diff
+    return rows, bad
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--ops", type=_op_list, default=OPS, help="comma list of compress, decode, score")
     parser.add_argument("--pools", type=int, default=65536)
     parser.add_argument("--decode-requests", type=int, default=2048)
     parser.add_argument("--score-requests", type=int, default=32)
     parser.add_argument("--score-pools", type=int, default=16384)
+    parser.add_argument("--heads", type=lambda t: tuple(int(h) for h in t.split(",")), default=(32,),
+                        help="comma list of H for the scoring cases")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("no GPU: this run compares GPU kernels with the CPU oracle", file=sys.stderr)
         return 2
-    device = torch.device("cuda")
-    gen = torch.Generator().manual_seed(1234)
-    rows, bad = [], 0
-    for p in (4, 16):
-        for fp8 in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
-            for layout in ("plain", "preshuffle"):
-                t0 = time.perf_counter()
-                diff, total = check_compress(args.pools, p, fp8, layout, device, gen)
-                rows.append(dict(op="compress", P=p, fp8=str(fp8), layout=layout, pools=args.pools,
-                                 bytes_compared=total, differing_bytes=diff))
-                print(f"compress P={p:2d} {str(fp8):22s} {layout:10s} pools={args.pools} "
-                      f"differing bytes {diff} / {total}  ({time.perf_counter() - t0:.1f}s)", flush=True)
-                bad += diff
-            for ring_mult, next_n, num_req in decode_cases(p, args.decode_requests):
-                diff, total = check_decode(num_req, next_n, p, p * ring_mult, fp8, "plain", device, gen)
-                rows.append(dict(op="decode", P=p, fp8=str(fp8), ring=p * ring_mult, next_n=next_n,
-                                 requests=num_req, bytes_compared=total, differing_bytes=diff))
-                print(f"decode   P={p:2d} {str(fp8):22s} ring={p * ring_mult} next_n={next_n} "
-                      f"requests={num_req} differing bytes {diff} / {total}", flush=True)
-                bad += diff
-    for fp8 in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
-        for layout in ("plain", "preshuffle"):
-            t0 = time.perf_counter()
-            diff, total = check_scores(args.score_requests, args.score_pools, 32, 512, fp8, layout, device, gen)
-            rows.append(dict(op="score", fp8=str(fp8), layout=layout, requests=args.score_requests,
-                             pools=args.score_pools, values_compared=total, differing_values=diff))
-            print(f"score    H=32 {str(fp8):22s} {layout:10s} requests={args.score_requests} "
-                  f"pools={args.score_pools} differing values {diff} / {total}  ({time.perf_counter() - t0:.1f}s)",
-                  flush=True)
-            bad += diff
+    rows, bad = run_checks(args.ops, args.pools, args.decode_requests, args.score_requests, args.score_pools,
+                           args.heads, torch.device("cuda"), torch.Generator().manual_seed(1234),
+                           log=lambda line: print(line, flush=True))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
