@@ -191,6 +191,18 @@ def test_launch_options_the_launchers_use():
     assert caps == {(p, prefill.MAX_REGS.get(p)) for p in (4, 16)} and prefill.MAX_REGS
 
 
+def test_register_caps_apply_to_cuda_only(monkeypatch):
+    """The launchers' ``maxnreg`` (``_backend.register_cap``): set on CUDA targets, never on
+    ROCm or the interpreter, and not for a P without a cap."""
+    from kpool import _backend
+    from kpool.ops import prefill, score
+    for target, capped in ((("cuda", 90), True), (("hip", "gfx942"), False), (("interpreter", None), False)):
+        monkeypatch.setattr(_backend, "device_target", lambda device, t=target: t)
+        assert score.launch_options("cpu").get("maxnreg") == (score.MAX_REGS if capped else None)
+        assert prefill.launch_options("cpu", 16).get("maxnreg") == (prefill.MAX_REGS[16] if capped else None)
+        assert "maxnreg" not in prefill.launch_options("cpu", 4)
+
+
 def test_every_kernel_compiles_for_every_target(capsys):
     results = aot.compile_matrix(progress=True)
     with capsys.disabled():  # the table goes to the CI log, pass or fail

@@ -114,6 +114,14 @@ def device_target(device) -> tuple:
     return _gpu_target(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def register_cap(device, regs) -> dict:
+    """``{"maxnreg": regs}`` for a CUDA ``device`` (a CUDA-only compile option), else ``{}``
+    (also when ``regs`` is None: no cap)."""
+    if regs is None or device_target(device)[0] != "cuda":
+        return {}
+    return {"maxnreg": regs}
+
+
 @functools.lru_cache(maxsize=None)
 def _gpu_target(index: int) -> tuple:
     if torch.version.hip is not None:

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .._backend import backend_for, device_target, native_fp8, row_select
+from .._backend import backend_for, native_fp8, register_cap, row_select
 from ..layout import fp8_max
 from . import _jit
 from .compress import NUM_WARPS, block_pools
@@ -71,10 +71,7 @@ def _prefill_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_b
 
 def launch_options(device, pool_size: int) -> dict:
     """Compile options of ``_prefill_kernel``: ``MAX_REGS`` applies to CUDA targets only."""
-    opts = dict(num_warps=NUM_WARPS, enable_fp_fusion=False)
-    if pool_size in MAX_REGS and device_target(device)[0] == "cuda":
-        opts["maxnreg"] = MAX_REGS[pool_size]
-    return opts
+    return dict(num_warps=NUM_WARPS, enable_fp_fusion=False, **register_cap(device, MAX_REGS.get(pool_size)))
 
 
 def write_prefill(kv_cache, tail, key, gate, ape, pools, requests, pool_size, *, layout, fp8_dtype,

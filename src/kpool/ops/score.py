@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .._backend import backend_for, device_target
+from .._backend import backend_for, register_cap
 from .._checks import check_positive_int
 from . import topk
 from ._jit_fp8 import halves_table
@@ -102,10 +102,7 @@ def query_rows(next_n: int) -> int:
 
 def launch_options(device) -> dict:
     """Compile options of ``_paged_topk_kernel``: ``MAX_REGS`` applies to CUDA targets only."""
-    opts = dict(num_warps=NUM_WARPS, enable_fp_fusion=False)
-    if device_target(device)[0] == "cuda":
-        opts["maxnreg"] = MAX_REGS
-    return opts
+    return dict(num_warps=NUM_WARPS, enable_fp_fusion=False, **register_cap(device, MAX_REGS))
 
 
 def paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, *, layout=None, fp8_dtype=None,
