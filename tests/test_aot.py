@@ -180,7 +180,7 @@ def test_launch_options_the_launchers_use():
     jobs = aot.build_jobs(targets=["sm_90"], kernels=["_decode_update_kernel", "_paged_topk_kernel",
                                                       "_chunk_topk_kernel"])
     warps = {j.options.get("num_warps") for j in jobs if j.kernel == "_decode_update_kernel"}
-    assert warps == {decode.decode_warps(b, p, n) for b in (1, 1 << 20) for p in (4, 16) for n in (1, 4)} == {1, 2, 4}
+    assert warps == {decode.decode_warps(b, n) for b in (1, 1 << 20) for n in (1, 4)} == {1, 2, 4}
     assert {j.options.get("num_warps") for j in jobs if j.kernel == "_paged_topk_kernel"} == {score.NUM_WARPS}
     leaves = {(j.constexprs["KB"], j.constexprs["CHUNK"]) for j in jobs if j.kernel == "_chunk_topk_kernel"}
     assert any(c < kb for kb, c in leaves) and any(c >= kb for kb, c in leaves)

@@ -228,8 +228,7 @@ def _decode_specs(m):
                   ts_ptr="i64", loc_ptr="i64", pos_ptr="i64"),
         cross=(pool_ring_axis(), layout_axis(), fp8_axis("FP8_MAX", "FNUZ")),
         cycle=(steps, flag("ROUND_SCALE"), _PAGE, int_ptr_axis("ts_ptr", "loc_ptr", "pos_ptr"),
-               axis("_opt_num_warps", sorted({m.decode_warps(b, p, n) for b in (1, 1 << 20) for p in (4, 16)
-                                              for n in (1, 4)}))),
+               axis("_opt_num_warps", sorted({m.decode_warps(b, n) for b in (1, 1 << 20) for n in (1, 4)}))),
         derive=lambda c: dict(NC=m.step_tiles(c["NB"], c["P"])["NC"]),  # as the launcher
         target_derive=ring_writer_params, options=dict(enable_fp_fusion=False))}
 

@@ -29,11 +29,10 @@ from . import _jit
 SMALL_BATCH = 256  # requests; up to this many, a program (one request) gets 4 warps
 
 
-def decode_warps(num_req: int, pool_size: int, next_n: int) -> int:
+def decode_warps(num_req: int, next_n: int) -> int:
     """Warps per program (H200 sweeps, benchmarks/NOTES.md): 4 up to ``SMALL_BATCH`` requests;
     above, 1 for verify steps (next_n >= 2; B=1024 next_n=4: P=4 4.50 -> 4.37 us, P=16
-    6.77 -> 6.21 vs 2 / 4 warps), 2 for decode steps. ``pool_size`` is part of the rule's
-    signature (earlier rules used it)."""
+    6.77 -> 6.21 vs 2 / 4 warps), 2 for decode steps."""
     if num_req <= SMALL_BATCH:
         return 4
     return 1 if next_n > 1 else 2
@@ -212,7 +211,7 @@ def kpool_decode_update_and_maybe_write_cache_batched(kv_cache, tail_kv_cache, t
         PRESHUFFLE=layout == "preshuffle", FP8_MAX=fp8_max(fp8_dtype), FNUZ=fp8_dtype == torch.float8_e4m3fnuz,
         ROUND_SCALE=round_scale, NATIVE_FP8=native_fp8(device, fp8_dtype),
         **step_tiles(next_n, pool_size), ROW_SELECT=row_select(),
-        num_warps=decode_warps(num_req, pool_size, next_n),
+        num_warps=decode_warps(num_req, next_n),
         enable_fp_fusion=False,
     )
     return None
