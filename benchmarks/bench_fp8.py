@@ -46,7 +46,7 @@ def bench(ctx, case, impl):
     prev = os.environ.get(FP8_ENCODER_ENV)
     try:
         os.environ[FP8_ENCODER_ENV] = impl
-        extra = {"native_used": native_fp8(ctx.device, fp8)}
+        extra = {"native_used": bool(native_fp8(ctx.device, fp8))}
         if ctx.check:
             extra.update(_COMPRESS.check_exact(ctx, fn, p, n))
         nbytes = _COMPRESS.floor_bytes(p, n)

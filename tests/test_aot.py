@@ -126,7 +126,7 @@ def test_failure_names_kernel_and_target(tmp_path, monkeypatch):
     results = aot.compile_matrix(["sm_80", "sm_90"], progress=False, modules=[mod.__name__])
     by_target = {r.target: r for r in results if "hints=aligned" in r.label}
     assert not by_target["sm_80"].ok and by_target["sm_90"].ok, [r.describe() for r in results]
-    assert "NATIVE_FP8=0" in by_target["sm_80"].label and "NATIVE_FP8=1" in by_target["sm_90"].label
+    assert "NATIVE_FP8=0" in by_target["sm_80"].label and "NATIVE_FP8=2" in by_target["sm_90"].label
     text = by_target["sm_80"].describe()
     assert text.startswith("_native_fp8_kernel for sm_80 [") and "FAILED" in text, text
     assert by_target["sm_90"].native_fp8 and by_target["sm_90"].stages[-1] == "cubin"
@@ -136,7 +136,7 @@ def test_failure_names_kernel_and_target(tmp_path, monkeypatch):
 
 
 def test_fp8_types_only_with_native_flag(tmp_path, monkeypatch):
-    """fp8 types in the TTIR exactly when NATIVE_FP8=True: a kernel converting natively while
+    """fp8 types in the TTIR exactly when NATIVE_FP8 is set: a kernel converting natively while
     NATIVE_FP8 is False fails (it would rely on a conversion sm_80 lacks), and so does one
     that ignores NATIVE_FP8=True; the kernel that follows the flag compiles."""
     mod = _fake_module(tmp_path, monkeypatch, "kpool_aot_flag", FAKE + FLAG_SPECS)
@@ -144,18 +144,19 @@ def test_fp8_types_only_with_native_flag(tmp_path, monkeypatch):
     by_mode = {r.label.split("MODE=")[1][0]: r for r in results}
     assert set(by_mode) == {"0", "1", "2"}, [r.label for r in results]
     assert by_mode["0"].ok and by_mode["0"].native_fp8, by_mode["0"].describe()
-    assert not by_mode["1"].ok and "fp8 types in the TTIR without NATIVE_FP8=True" in by_mode["1"].error
-    assert not by_mode["2"].ok and "NATIVE_FP8=True but no fp8 type" in by_mode["2"].error
+    assert not by_mode["1"].ok and "fp8 types in the TTIR with NATIVE_FP8=0" in by_mode["1"].error
+    assert not by_mode["2"].ok and "NATIVE_FP8 set but no fp8 type" in by_mode["2"].error
     assert by_mode["1"].stages[-1] == "cubin"  # it compiled: the check, not the compiler, failed it
 
 
 def test_fp8_kernels_follow_the_native_fp8_table():
-    """The fp8 writers' and scorers' NATIVE_FP8 per target and format is _backend.has_native_fp8's (what
-    native_fp8 picks by default at run time): software on sm_80, e4m3fn native on sm_90 /
-    sm_100 / gfx950, e4m3fnuz native on gfx942; every target gets both formats."""
+    """The fp8 writers' and scorers' NATIVE_FP8 per target and format is _backend.native_fp8_mode's
+    (what native_fp8 picks by default at run time): software on sm_80, e4m3fn native on sm_90 /
+    sm_100 (the satfinite conversion alone) / gfx950, e4m3fnuz native on gfx942; every target gets
+    both formats."""
     import torch
 
-    from kpool._backend import has_native_fp8
+    from kpool._backend import FP8_CONVERSION, FP8_SATFINITE, native_fp8_mode
     expect = {"sm_80": (False, False), "sm_90": (True, False), "sm_100": (True, False),
               "gfx942": (False, True), "gfx950": (True, False)}  # (e4m3fn, e4m3fnuz)
     jobs = aot.build_jobs(kernels=list(FP8_KERNELS), modules=FP8_MODULES)
@@ -164,8 +165,9 @@ def test_fp8_kernels_follow_the_native_fp8_table():
         fnuz = j.constexprs["FNUZ"]
         native = j.constexprs["NATIVE_FP8"]
         backend, arch = aot.TARGETS[j.target][:2]
-        assert native == has_native_fp8(backend, arch, torch.float8_e4m3fnuz if fnuz else torch.float8_e4m3fn)
-        assert native == expect[j.target][fnuz], (j.target, j.kernel, j.label)
+        assert native == native_fp8_mode(backend, arch, torch.float8_e4m3fnuz if fnuz else torch.float8_e4m3fn)
+        assert bool(native) == expect[j.target][fnuz], (j.target, j.kernel, j.label)
+        assert native in ((FP8_SATFINITE,) if backend == "cuda" else (FP8_CONVERSION,)) or not native
         assert f"NATIVE_FP8={int(native)}" in j.label
         seen.add((j.kernel, j.target, fnuz))
     assert seen == {(k, t, f) for k in FP8_KERNELS for t in aot.TARGETS for f in (False, True)}
@@ -213,10 +215,10 @@ def test_every_kernel_compiles_for_every_target(capsys):
     assert {(r.kernel, r.target) for r in results} == {(k, t) for k in kernels for t in aot.TARGETS}
     for r in results:  # all the way to the binary
         assert r.stages[-1] == ("cubin" if aot.TARGETS[r.target][0] == "cuda" else "hsaco"), r.describe()
-    # fp8 types reach the TTIR exactly in the NATIVE_FP8=1 jobs (the matrix fails any other
+    # fp8 types reach the TTIR exactly in the NATIVE_FP8 != 0 jobs (the matrix fails any other
     # job with them): the writers and scorers on targets with the native conversion, nothing on sm_80
     for r in results:
-        assert r.native_fp8 == ("NATIVE_FP8=1" in r.label), r.describe()
+        assert r.native_fp8 == ("NATIVE_FP8=0" not in r.label and "NATIVE_FP8=" in r.label), r.describe()
     native = {t: {r.kernel for r in results if r.target == t and r.native_fp8} for t in aot.TARGETS}
     assert native == {t: set() if t == "sm_80" else set(FP8_KERNELS) for t in aot.TARGETS}, native
     fp8_kernels = {r.kernel for r in results if "FNUZ=" in r.label}

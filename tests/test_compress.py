@@ -413,6 +413,18 @@ def test_validation_errors(backend, device, case):
         assert torch.equal(args["kv_cache"], buf_before)
 
 
+def test_slot_count_limit():
+    """The writers address slots with 32-bit arithmetic: a cache of more than 2^31 slots is
+    rejected by every entry point's cache check and by ``KPoolCache`` before it allocates."""
+    from kpool._checks import MAX_SLOTS, check_kv_cache
+    meta = torch.device("meta")
+    check_kv_cache(torch.empty((MAX_SLOTS // 64, 64, 132), dtype=torch.uint8, device=meta), "plain", meta)
+    with pytest.raises(ValueError, match="kv_cache"):
+        check_kv_cache(torch.empty((MAX_SLOTS // 64 + 1, 64, 132), dtype=torch.uint8, device=meta), "plain", meta)
+    with pytest.raises(ValueError, match="num_pages"):
+        kpool.KPoolCache(MAX_SLOTS // 32 + 1, page_size=32, max_requests=1, ape=torch.zeros(4, 128), device="cpu")
+
+
 def test_bad_backend_env(device, monkeypatch):
     monkeypatch.setenv("KPOOL_BACKEND", "cuda-graphs")
     with pytest.raises(ValueError, match="KPOOL_BACKEND"):

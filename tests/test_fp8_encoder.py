@@ -48,14 +48,14 @@ def test_fp8_encoder_env(monkeypatch):
     assert _backend.FP8_ENCODERS == ("auto", "software", "native")
     assert _backend.fp8_encoder() == "auto"
     for fp8 in FP8.values():  # auto (default): native where the target has it; the interpreter has both
-        assert _backend.native_fp8(cpu, fp8) is _backend.interpreting()
+        assert bool(_backend.native_fp8(cpu, fp8)) is _backend.interpreting()
     for value, want in (("", "auto"), (" Native ", "native"), ("SOFTWARE", "software"), ("auto", "auto")):
         monkeypatch.setenv(_backend.FP8_ENCODER_ENV, value)
         assert _backend.fp8_encoder() == want
     monkeypatch.setenv(_backend.FP8_ENCODER_ENV, "software")
     assert not any(_backend.native_fp8(cpu, fp8) for fp8 in FP8.values())
     monkeypatch.setenv(_backend.FP8_ENCODER_ENV, "native")
-    assert all(_backend.native_fp8(cpu, fp8) is _backend.interpreting() for fp8 in FP8.values())
+    assert all(bool(_backend.native_fp8(cpu, fp8)) is _backend.interpreting() for fp8 in FP8.values())
     monkeypatch.setenv(_backend.FP8_ENCODER_ENV, "hardware")
     with pytest.raises(ValueError, match="KPOOL_FP8_ENCODER must be one of .*'hardware'"):
         _backend.native_fp8(cpu, torch.float8_e4m3fn)
@@ -83,12 +83,25 @@ def test_native_fp8_on_this_device(monkeypatch, device):
     dev = torch.device(device)
     for fp8 in FP8.values():
         if dev.type == "cpu":
-            want = _backend.interpreting()
+            want = _backend.FP8_CONVERSION if _backend.interpreting() else 0
         elif torch.version.hip is not None:
-            want = _backend.has_native_fp8("hip", torch.cuda.get_device_properties(dev).gcnArchName, fp8)
+            has = _backend.has_native_fp8("hip", torch.cuda.get_device_properties(dev).gcnArchName, fp8)
+            want = _backend.FP8_CONVERSION if has else 0
         else:
-            want = fp8 == torch.float8_e4m3fn and torch.cuda.get_device_capability(dev) >= (8, 9)
-        assert _backend.native_fp8(dev, fp8) is want
+            has = fp8 == torch.float8_e4m3fn and torch.cuda.get_device_capability(dev) >= (8, 9)
+            want = _backend.FP8_SATFINITE if has else 0
+        assert _backend.native_fp8(dev, fp8) == want
+
+
+def test_native_fp8_modes():
+    """The conversion alone (``FP8_SATFINITE``) on CUDA targets with the conversion, clamp and
+    NaN select elsewhere, 0 without one."""
+    fn, fnuz = torch.float8_e4m3fn, torch.float8_e4m3fnuz
+    mode = _backend.native_fp8_mode
+    assert mode("cuda", 90, fn) == mode("cuda", 100, fn) == _backend.FP8_SATFINITE
+    assert mode("cuda", 80, fn) == mode("cuda", 90, fnuz) == 0
+    assert mode("hip", "gfx950", fn) == mode("hip", "gfx942", fnuz) == _backend.FP8_CONVERSION
+    assert mode("interpreter", None, fn) == _backend.FP8_CONVERSION and mode("hip", "gfx90a", fn) == 0
 
 
 # --------------------------------------------------------------------------- writers
@@ -304,7 +317,7 @@ def test_scorers_decode(monkeypatch, device, encoder, fmt):
     pt = torch.randperm(pages, generator=gen).view(1, pages).expand(2, pages).contiguous().to(torch.int32)
     _use(monkeypatch, encoder)
     assert decode_args(fp8, torch.device(device))["NATIVE_FP8"] == _backend.native_fp8(torch.device(device), fp8)
-    assert _backend.native_fp8(torch.device(device), fp8) is (encoder == "native" and _backend.has_native_fp8(
+    assert bool(_backend.native_fp8(torch.device(device), fp8)) is (encoder == "native" and _backend.has_native_fp8(
         *_backend.device_target(device), fp8))
     args = [t.to(device) for t in (q, kv, w, lens, pt)]
     got = paged_pool_logits(*args, layout=layout, fp8_dtype=fp8).cpu()

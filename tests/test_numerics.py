@@ -47,7 +47,7 @@ def _fp8_encode_kernel(x_ptr, o_ptr, n, FP8_MAX: tl.constexpr, FNUZ: tl.constexp
     m = i < n
     x = tl.load(x_ptr + i, mask=m, other=0.0)
     if NATIVE:
-        code = _jit.fp8_encode_native(x, FP8_MAX, FNUZ)
+        code = _jit.fp8_encode_native(x, FP8_MAX, FNUZ, NATIVE)
     else:
         code = _jit.fp8_encode(x, FP8_MAX, FNUZ)
     tl.store(o_ptr + i, code, mask=m)
@@ -152,6 +152,13 @@ def _encoder_cases():
                     yield pytest.param(dt, "native", id=f"{name}-native")
 
 
+def _native_mode(device, fp8_dtype):
+    """The ``NATIVE_FP8`` mode the writers use on ``device`` (``_backend.native_fp8``)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(_backend.FP8_ENCODER_ENV, "native")
+        return _backend.native_fp8(torch.device(device), fp8_dtype)
+
+
 @pytest.mark.parametrize("fp8_dtype,encoder", list(_encoder_cases()))
 def test_fp8_encode_matches_torch(fp8_dtype, encoder, device):
     """Both encoders: every bf16 pattern, random fp32 bits, every fp8 value and tie with
@@ -160,7 +167,8 @@ def test_fp8_encode_matches_torch(fp8_dtype, encoder, device):
                    torch.tensor([math.nan, -math.nan, 0.0, -0.0])))
     want = numerics.fp8_encode(x, fp8_dtype)
     got = _run_elementwise(_fp8_encode_kernel, x.to(device), torch.uint8, FP8_MAX=fp8_max(fp8_dtype),
-                           FNUZ=fp8_dtype == torch.float8_e4m3fnuz, NATIVE=encoder == "native")
+                           FNUZ=fp8_dtype == torch.float8_e4m3fnuz,
+                           NATIVE=_native_mode(device, fp8_dtype) if encoder == "native" else 0)
     assert_bytes_equal(got, want, f"fp8 {fp8_dtype} codes ({encoder}) of {x.numel()} fp32 values")
     # numerics.fp8_encode itself: saturating RNE by the definition (clamp, then torch's conversion)
     m = fp8_max(fp8_dtype)

@@ -10,7 +10,11 @@ where the target has it for the format (``has_native_fp8``: CUDA sm_89+ for e4m3
 gfx942 for e4m3fnuz and gfx950 for e4m3fn, the CPU interpreter with kpool's exact
 downcasts); elsewhere (sm_80, e4m3fnuz on CUDA, ...) it falls back to ``software``.
 ``software`` is integer ops on the fp32 bits (``_jit.fp8_encode``), available on every
-target. ``auto`` (default) is the measured choice: native where the target has the
+target. ``native_fp8`` gives the writers' ``NATIVE_FP8`` as a mode: 0 software,
+``FP8_CONVERSION`` (clamp to ``±FP8_MAX``, convert, set the canonical NaN code: ROCm and the
+interpreter) or ``FP8_SATFINITE`` (the conversion alone, on CUDA: ``cvt.rn.satfinite``
+saturates to ±448 and gives the canonical 0x7F for every NaN, checked on an H200 for both
+signs and several payloads; H200 compress P=4 -2% without the NaN select). ``auto`` (default) is the measured choice: native where the target has the
 conversion, software elsewhere, i.e. the same as ``native`` today (H200, compress+write:
 native 6% faster at P=4, 2% at P=16; benchmarks/NOTES.md). All give the same bytes.
 The same choice picks the scorers' decoder (fp8 -> fp16 conversion, or the table
@@ -26,6 +30,8 @@ import os
 import torch
 
 BACKENDS = ("auto", "triton", "torch")
+FP8_CONVERSION = 1  # NATIVE_FP8 modes (module docstring)
+FP8_SATFINITE = 2
 FP8_ENCODERS = ("auto", "software", "native")
 FP8_ENCODER_ENV = "KPOOL_FP8_ENCODER"
 
@@ -88,20 +94,29 @@ def has_native_fp8(backend: str, arch, fp8_dtype: torch.dtype) -> bool:
     raise ValueError(f"backend must be 'cuda', 'hip' or 'interpreter', got {backend!r}")
 
 
-def native_fp8(device: torch.device, fp8_dtype: torch.dtype) -> bool:
-    """Whether Triton writers on ``device`` encode ``fp8_dtype`` with the native conversion.
+def native_fp8_mode(backend: str, arch, fp8_dtype: torch.dtype) -> int:
+    """``NATIVE_FP8`` on a target (``has_native_fp8``'s arguments): 0 where it has no
+    conversion for the format, ``FP8_SATFINITE`` on CUDA, else ``FP8_CONVERSION``."""
+    if not has_native_fp8(backend, arch, fp8_dtype):
+        return 0
+    return FP8_SATFINITE if backend == "cuda" else FP8_CONVERSION
 
-    ``KPOOL_FP8_ENCODER``: ``software`` -> False; ``auto`` (default) and ``native`` ->
-    ``has_native_fp8`` of the device's target (False where it has no conversion: the
-    software encoder, same bytes). CPU tensors: the interpreter's (True when
-    ``TRITON_INTERPRET`` is on, else False: no Triton kernel runs there).
+
+def native_fp8(device: torch.device, fp8_dtype: torch.dtype) -> int:
+    """``NATIVE_FP8`` of Triton writers on ``device`` for ``fp8_dtype`` (module docstring):
+    truthy when they encode with the native conversion.
+
+    ``KPOOL_FP8_ENCODER``: ``software`` -> 0; ``auto`` (default) and ``native`` ->
+    ``native_fp8_mode`` of the device's target (0 where it has no conversion: the
+    software encoder, same bytes). CPU tensors: the interpreter's (``FP8_CONVERSION`` when
+    ``TRITON_INTERPRET`` is on, else 0: no Triton kernel runs there).
     """
     device = torch.device(device)
     if fp8_encoder() == "software":
-        return False
+        return 0
     if device.type == "cpu" and not interpreting():
-        return False
-    return has_native_fp8(*device_target(device), fp8_dtype)
+        return 0
+    return native_fp8_mode(*device_target(device), fp8_dtype)
 
 
 def device_target(device) -> tuple:

@@ -33,12 +33,12 @@ Spec (``KernelSpec``): the argument types plus the constexpr cases to compile.
 * ``target_derive``: ``(case, target name) -> dict`` of parameters the launcher takes from
   the device, applied per target after ``derive`` (shown in the job's label). The fp8
   writers and scorers use ``native_fp8_param``: ``NATIVE_FP8`` as ``_backend.native_fp8``
-  chooses by default (``KPOOL_FP8_ENCODER=auto``), from the same table (``_backend.has_native_fp8``).
+  chooses by default (``KPOOL_FP8_ENCODER=auto``), from the same table (``_backend.native_fp8_mode``).
 
 fp8 check: a job's TTIR holds fp8 element types exactly when it is compiled with
-``NATIVE_FP8=True`` (the native conversion); any other job with fp8 types fails (it would
-rely on a conversion sm_80, or CUDA for e4m3fnuz, lacks), and so does a ``NATIVE_FP8=True``
-job without them (the flag would not reach the encoder or decoder). The summary lists, per target,
+a non-zero ``NATIVE_FP8`` (the native conversion); any other job with fp8 types fails (it would
+rely on a conversion sm_80, or CUDA for e4m3fnuz, lacks), and so does a job with a non-zero ``NATIVE_FP8``
+but without them (the flag would not reach the encoder or decoder). The summary lists, per target,
 the kernels that use a native conversion and for which format.
 * Tiers: ``full`` multiplies every ``cross`` axis (the product the launchers can reach);
   ``ci`` (default) multiplies the first ``ci_cross`` of them and spreads the others like
@@ -170,10 +170,10 @@ def native_fp8_param(case, target):
     on ``target``, as ``_backend.native_fp8`` chooses it by default (``has_native_fp8``)."""
     import torch
 
-    from ._backend import has_native_fp8
+    from ._backend import native_fp8_mode
     backend, arch = TARGETS[target][:2]
     fp8_dtype = torch.float8_e4m3fnuz if case["FNUZ"] else torch.float8_e4m3fn
-    return dict(NATIVE_FP8=has_native_fp8(backend, arch, fp8_dtype))
+    return dict(NATIVE_FP8=native_fp8_mode(backend, arch, fp8_dtype))
 
 
 def ring_writer_params(case, target):
@@ -697,15 +697,15 @@ def compile_job(job: AotJob, fn=None) -> AotResult:
         res.native_fp8 = bool(_FP8_IR.search(compiled.asm.get("ttir", "")))
         res.shared = int(getattr(compiled.metadata, "shared", 0) or 0)
         binary = "cubin" if backend == "cuda" else "hsaco"
-        native = job.constexprs.get("NATIVE_FP8") is True
+        native = bool(job.constexprs.get("NATIVE_FP8"))
         if binary not in compiled.asm or not compiled.asm[binary]:
             res.error = f"no {binary} produced (stages: {res.stages})"
         elif res.native_fp8 and not native:
-            res.error = ("fp8 types in the TTIR without NATIVE_FP8=True: the kernel relies on a native fp8 "
+            res.error = ("fp8 types in the TTIR with NATIVE_FP8=0: the kernel relies on a native fp8 "
                          "conversion, which sm_80 (e4m3fn) and CUDA (e4m3fnuz) lack; encode with _jit.fp8_encode "
                          "or take the encoder from _backend.native_fp8")
         elif native and not res.native_fp8:
-            res.error = "NATIVE_FP8=True but no fp8 type in the TTIR: the flag does not reach the fp8 conversion"
+            res.error = "NATIVE_FP8 set but no fp8 type in the TTIR: the flag does not reach the fp8 conversion"
         elif res.shared > smem:
             res.error = f"needs {res.shared} bytes of shared memory, {job.target} has {smem}"
         else:
@@ -905,7 +905,7 @@ def format_results(results):
     for t in targets:
         stages = sorted({">".join(r.stages) for r in results if r.target == t and r.ok})
         lines.append(f"stages {t}: {', '.join(stages) or '-'}")
-    lines.append("kernels with fp8 types in their TTIR (a native fp8 conversion; expected exactly where NATIVE_FP8=1):")
+    lines.append("kernels with fp8 types in their TTIR (a native fp8 conversion; expected exactly where NATIVE_FP8 != 0):")
     for t in targets:
         fp8 = {}
         for r in results:

@@ -9,12 +9,14 @@ import triton
 import triton.language as tl
 
 from ..numerics import EXP2_POLY, EXP_ROUND, EXP_T_MIN, LOG2E
+from .. import _backend
 from ..layout import AMAX_FLOOR, HADAMARD_SCALE
 
 # Globals read inside @triton.jit code must be tl.constexpr: the real compiler rejects plain
 # Python floats (NameError), only the interpreter accepts them.
 LOG2E, EXP_T_MIN, EXP_ROUND = tl.constexpr(LOG2E), tl.constexpr(EXP_T_MIN), tl.constexpr(EXP_ROUND)
 AMAX_FLOOR, HADAMARD_SCALE = tl.constexpr(AMAX_FLOOR), tl.constexpr(HADAMARD_SCALE)
+FP8_SATFINITE = tl.constexpr(_backend.FP8_SATFINITE)
 _C5, _C4, _C3, _C2, _C1, _C0 = (tl.constexpr(c) for c in EXP2_POLY)
 
 
@@ -114,8 +116,15 @@ def _with_nan_codes(x, code, FNUZ: tl.constexpr):
 
 
 @triton.jit
-def fp8_encode_native(x, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr):
-    """``fp8_encode`` through Triton's conversion (targets that have it for the format)."""
+def fp8_encode_native(x, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr, MODE: tl.constexpr):
+    """``fp8_encode`` through Triton's conversion (targets that have it for the format).
+
+    ``MODE`` (``_backend.native_fp8``): ``FP8_SATFINITE`` (CUDA, e4m3fn, ``FP8_MAX`` 448) is
+    the conversion alone, which saturates and gives 0x7F for every NaN; else clamp, convert
+    and set the canonical NaN code."""
+    if MODE == FP8_SATFINITE:
+        tl.static_assert(not FNUZ and FP8_MAX == 448.0, "FP8_SATFINITE: e4m3fn only")
+        return x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     y = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
     if FNUZ:
         code = y.to(tl.float8e4b8).to(tl.uint8, bitcast=True)
@@ -131,7 +140,8 @@ def quantize(y, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr, ROUND_SCALE: tl.const
 
     With power-of-two scales ``y / scale`` is computed as ``y * 2^-e``: both are the
     correctly rounded value of the same real number, so the bits equal ``div_rn``'s.
-    ``NATIVE_FP8``: encode with the target's conversion (same bytes) instead of integer ops.
+    ``NATIVE_FP8`` (a ``_backend.native_fp8`` mode): encode with the target's conversion (same
+    bytes) instead of integer ops.
     """
     amax = tl.max(tl.abs(y), axis=1)
     scale = quant_scale(amax, 1.0 / FP8_MAX, ROUND_SCALE)
@@ -141,7 +151,7 @@ def quantize(y, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr, ROUND_SCALE: tl.const
     else:
         q = tl.math.div_rn(y, scale[:, None])
     if NATIVE_FP8:
-        codes = fp8_encode_native(q, FP8_MAX, FNUZ)
+        codes = fp8_encode_native(q, FP8_MAX, FNUZ, NATIVE_FP8)
     else:
         codes = fp8_encode(q, FP8_MAX, FNUZ)
     return codes, scale
@@ -162,12 +172,14 @@ def store_entries(kv_ptr, kv_f32_ptr, page_stride, loc, ok, codes, scale, d,
     """Write ``codes [BN, 128]`` / ``scale [BN]`` at flat slots ``loc [BN]`` where ``ok``.
 
     ``kv_ptr`` is the uint8 cache, ``kv_f32_ptr`` the same memory as fp32;
-    ``page_stride`` is ``kv_cache.stride(0)`` in bytes (a multiple of 4).
+    ``page_stride`` is ``kv_cache.stride(0)`` in bytes (a multiple of 4). Slots where ``ok``
+    are below the cache's slot count, at most ``_checks.MAX_SLOTS``: 32-bit unsigned slot
+    arithmetic, 64-bit byte offsets.
     """
-    loc = tl.where(ok, loc, 0).to(tl.int64)
+    loc = tl.where(ok, loc, 0).to(tl.uint32)
     page = loc // PAGE
-    state = loc % PAGE
-    base = page * page_stride
+    state = (loc % PAGE).to(tl.int32)
+    base = page.to(tl.int64) * page_stride
     tl.store(kv_ptr + base[:, None] + key_offset(state[:, None], d[None, :], PRESHUFFLE), codes,
              mask=ok[:, None])
     tl.store(kv_f32_ptr + (base + PAGE * 128) // 4 + state, scale, mask=ok)
