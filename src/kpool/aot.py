@@ -167,7 +167,7 @@ def fp8_axis(*keys):
 
 def native_fp8_param(case, target):
     """``target_derive`` of the fp8 writers: ``NATIVE_FP8`` for the case's format (``FNUZ``)
-    on ``target``, as ``_backend.native_fp8`` chooses it by default (``has_native_fp8``)."""
+    on ``target``, as ``_backend.native_fp8`` chooses it by default (``native_fp8_mode``)."""
     import torch
 
     from ._backend import native_fp8_mode

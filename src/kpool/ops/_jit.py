@@ -8,9 +8,9 @@ kernels that use them are launched with ``enable_fp_fusion=False``. Tiles are
 import triton
 import triton.language as tl
 
-from ..numerics import EXP2_POLY, EXP_ROUND, EXP_T_MIN, LOG2E
 from .. import _backend
 from ..layout import AMAX_FLOOR, HADAMARD_SCALE
+from ..numerics import EXP2_POLY, EXP_ROUND, EXP_T_MIN, LOG2E
 
 # Globals read inside @triton.jit code must be tl.constexpr: the real compiler rejects plain
 # Python floats (NameError), only the interpreter accepts them.
