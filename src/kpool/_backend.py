@@ -20,7 +20,7 @@ elsewhere, i.e. the same as ``native`` today (H200, compress+write: native 8% fa
 P=4 and P=16; benchmarks/NOTES.md). All give the same bytes.
 The same choice picks the scorers' decoder (fp8 -> fp16 conversion, or the table
 ``_jit_fp8.halves_table``; same halves). The AOT compile matrix (``kpool.aot``) compiles
-each target with the ``auto`` choice, from the same ``has_native_fp8`` table.
+each target with the ``auto`` choice, from the same table (``native_fp8_mode``).
 """
 
 from __future__ import annotations

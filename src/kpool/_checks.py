@@ -60,6 +60,13 @@ def check_pool_size(pool_size: int) -> None:
 MAX_SLOTS = 2**31  # cache slots (num_pages * PAGE) the writers address with 32-bit arithmetic
 
 
+def check_slot_count(name: str, slots: int) -> None:
+    """A cache of ``slots`` slots (num_pages * PAGE) must fit the writers' 32-bit slot arithmetic."""
+    if slots > MAX_SLOTS:
+        raise ValueError(f"{name} has {slots} slots; the kernels address at most {MAX_SLOTS} "
+                         "(2^31, 32-bit slot arithmetic)")
+
+
 def check_kv_cache(kv_cache, layout: str, device) -> None:
     """``kv_cache [num_pages, PAGE, 132] uint8`` with 4-byte-aligned pages and unit inner strides."""
     check_tensor("kv_cache", kv_cache, dtype=torch.uint8, ndim=3, device=device)
@@ -74,9 +81,7 @@ def check_kv_cache(kv_cache, layout: str, device) -> None:
     if kv_cache.stride(0) % 4 or kv_cache.storage_offset() % 4:
         raise ValueError("kv_cache pages must start on 4-byte boundaries (fp32 scales): "
                          f"stride(0) = {kv_cache.stride(0)}, storage_offset = {kv_cache.storage_offset()}")
-    if kv_cache.shape[0] * page > MAX_SLOTS:
-        raise ValueError(f"kv_cache has {kv_cache.shape[0] * page} slots; the kernels address at most {MAX_SLOTS} "
-                         "(2^31, 32-bit slot arithmetic)")
+    check_slot_count("kv_cache", kv_cache.shape[0] * page)
     if layout == "preshuffle" and page % TILE:
         raise ValueError(f"layout='preshuffle' needs a page size that is a multiple of {TILE}, got {page}")
 

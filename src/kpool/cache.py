@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._checks import MAX_SLOTS, check_positive_int, check_tensor
+from ._checks import check_positive_int, check_slot_count, check_tensor
 from .layout import (ENTRY_BYTES, HEAD_DIM, read_entries, resolve_fp8_dtype, resolve_layout, ring_size)
 from .ops.decode import kpool_decode_update_and_maybe_write_cache_batched
 from .ops.logits import SUPPORTED_HEADS
@@ -105,8 +105,7 @@ class KPoolCache:
             check_positive_int(name, value)
         if not isinstance(max_spec_tokens, int) or isinstance(max_spec_tokens, bool) or max_spec_tokens < 0:
             raise ValueError(f"max_spec_tokens must be a non-negative int, got {max_spec_tokens!r}")
-        if num_pages * page_size > MAX_SLOTS:
-            raise ValueError(f"num_pages * page_size = {num_pages * page_size} slots; at most {MAX_SLOTS}")
+        check_slot_count("num_pages * page_size", num_pages * page_size)  # before allocating
         self.layout = resolve_layout(layout, self.device)
         if self.layout == "preshuffle" and page_size % 16:
             raise ValueError(f"layout='preshuffle' needs page_size % 16 == 0, got {page_size}")
