@@ -55,6 +55,7 @@ SURVIVOR_KEYS = 2048  # keys per program of the survivor filter
 PROGRAMS_PER_SM = 2  # leaf grid target when choosing the leaf size
 MIN_KB = 16  # tl.topk / tl.arange below 16 keys do not lower on every target
 HEAD = tl.constexpr(MIN_KB)  # sorted best keys ahead of an unsorted leaf list (module docstring, 1.)
+MAX_SURVIVORS = 1 << 27  # keys per row of the survivor buffer (radix counts are packed in 27 bits)
 NO_KEY = tl.constexpr(-9223372036854775807 - 1)  # INT64_MIN: the key of a pool the row does not see
 
 
@@ -187,16 +188,37 @@ def _compact(base, n, min_key, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _first_shift(rng):
+    """``max(bit_length(rng) - 8, 0)`` of a uint64 scalar: the shift whose digit ``rng >> s``
+    uses all 8 bits (binary search; shifts past 63 read as 0)."""
+    s = tl.zeros((), tl.int32)
+    for b in tl.static_range(6):
+        shift = s + (32 >> b) + 7
+        s += tl.where((shift < 64) & ((rng >> tl.minimum(shift, 63).to(tl.uint64)) != 0), 32 >> b, 0)
+    return s
+
+
+@triton.jit
+def _pick_digit(hist, need, d):
+    """Of a bucket's digit histogram ``hist [256]``: the digit ``d`` holding the ``need``-th
+    largest key, the keys at that digit and the keys at or above it (one reduction over
+    ``(digit, at_or_above, at)`` packed in an int64: counts below ``MAX_SURVIVORS``)."""
+    at_or_above = tl.cumsum(hist, 0, reverse=True)
+    packed = (d.to(tl.int64) << 54) | (at_or_above.to(tl.int64) << 27) | hist.to(tl.int64)
+    best = tl.max(tl.where(at_or_above >= need, packed, -1))
+    return (best >> 54).to(tl.int32), ((best >> 27) & 0x7FFFFFF).to(tl.int32), (best & 0x7FFFFFF).to(tl.int32)
+
+
+@triton.jit
 def _radix_threshold(base, cnt, lo, top, select_k, BLOCK: tl.constexpr):
     """The ``select_k``-th largest of the ``cnt >= select_k`` unique keys ``base[0:cnt]``, all
-    in ``[lo, top]``, by MSB radix passes of 8 bits over ``u = uint64(key - lo)``; returns it
-    as ``uint64`` offset from ``lo``. A pass histograms the current bucket's next digit, keeps
-    the digit where the count from the top reaches ``need`` and stops once that bucket holds
-    exactly the keys still needed (at the latest on the last digit: keys are unique)."""
-    rng = top.to(tl.uint64, bitcast=True) - lo.to(tl.uint64, bitcast=True)
-    s = tl.zeros((), tl.int32)
-    while (s < 56) & ((rng >> tl.minimum(s + 8, 63).to(tl.uint64)) != 0):  # digits below the range's top
-        s += 8
+    in ``[lo, top]``, by MSB radix passes over ``u = uint64(key - lo)``; returns it as
+    ``uint64`` offset from ``lo``. The first digit is the range's top 8 bits, each later one
+    the next 8 (the last one fewer). A pass histograms the current bucket's digit, keeps the
+    digit where the count from the top reaches ``need`` and stops once that bucket holds
+    exactly the keys still needed (at the latest on bit 0: keys are unique)."""
+    span = top.to(tl.uint64, bitcast=True) - lo.to(tl.uint64, bitcast=True)  # current bucket: [bucket, bucket + span]
+    s = _first_shift(span)
     bucket = tl.zeros((), tl.uint64)  # lowest offset of the current bucket
     need = tl.zeros((), tl.int32) + select_k
     searching = cnt > 0
@@ -207,16 +229,14 @@ def _radix_threshold(base, cnt, lo, top, select_k, BLOCK: tl.constexpr):
             i = start + tl.arange(0, BLOCK)
             u = tl.load(base + i, mask=i < cnt, other=0).to(tl.uint64, bitcast=True) - lo.to(tl.uint64, bitcast=True)
             rel = u - bucket
-            hi = rel >> s.to(tl.uint64)
-            hist += tl.histogram((hi & 255).to(tl.int32), 256, mask=(i < cnt) & (u >= bucket) & (hi < 256))
-        at_or_above = tl.sum(hist) - tl.cumsum(hist, 0) + hist  # [256] keys of the bucket with digit >= d
-        digit = tl.sum((at_or_above >= need).to(tl.int32)) - 1
-        here = d == digit
-        n_eq = tl.sum(tl.where(here, hist, 0))
-        need -= tl.sum(tl.where(here, at_or_above, 0)) - n_eq
+            hist += tl.histogram(((rel >> s.to(tl.uint64)) & 255).to(tl.int32), 256,
+                                 mask=(i < cnt) & (u >= bucket) & (rel <= span))
+        digit, at_or_above, n_eq = _pick_digit(hist, need, d)
+        need -= at_or_above - n_eq
         bucket += digit.to(tl.uint64) << s.to(tl.uint64)
+        span = (tl.full((), 1, tl.uint64) << s.to(tl.uint64)) - 1
         searching = (need != n_eq) & (s > 0)
-        s -= 8
+        s = tl.maximum(s - 8, 0)
     return bucket
 
 
@@ -257,6 +277,11 @@ def _survivors_kernel(cand_ptr, n_lists, lens_ptr, lens_stride, n_cols, surv_ptr
 
 
 @triton.jit
+def _min_max(a_lo, a_top, b_lo, b_top):
+    return tl.minimum(a_lo, b_lo), tl.maximum(a_top, b_top)
+
+
+@triton.jit
 def _threshold_select_kernel(surv_ptr, n_surv, count_ptr, lens_ptr, lens_stride, n_cols, out_ptr, out_stride,
                              select_k, KB: tl.constexpr, BLOCK: tl.constexpr):
     # Program (row): the select_k best of the row's count[row] survivors surv[row, :] (module
@@ -272,8 +297,9 @@ def _threshold_select_kernel(surv_ptr, n_surv, count_ptr, lens_ptr, lens_stride,
         for start in range(0, cnt, BLOCK):
             i = start + tl.arange(0, BLOCK)
             key = tl.load(base + i, mask=i < cnt, other=NO_KEY)
-            lo = tl.minimum(lo, tl.min(tl.where(i < cnt, key, 9223372036854775807)))
-            top = tl.maximum(top, tl.max(key))
+            lo_i, top_i = tl.reduce((tl.where(i < cnt, key, 9223372036854775807), key), 0, _min_max)
+            lo = tl.minimum(lo, lo_i)
+            top = tl.maximum(top, top_i)
         kth = lo.to(tl.uint64, bitcast=True) + _radix_threshold(base, cnt, lo, top, select_k, BLOCK)
         _compact(base, cnt, kth.to(tl.int64, bitcast=True), BLOCK)  # exactly select_k keys left in front
         c = tl.arange(0, KB)
@@ -344,6 +370,9 @@ def survivors(cand, chunk, lens, n_cols, select_k) -> tuple:
     particular order (rows with at most ``select_k`` visible pools: none)."""
     rows, n_lists, _ = cand.shape
     kw, lg = survivor_block(chunk, key_block(select_k))
+    if n_lists * kw >= MAX_SURVIVORS:
+        raise ValueError(f"n_cols: {n_cols} pools per row keep {n_lists * kw} candidate keys, the selection "
+                         f"handles fewer than {MAX_SURVIVORS}")
     surv = torch.empty((rows, n_lists * kw), dtype=torch.int64, device=cand.device)
     count = torch.zeros((rows,), dtype=torch.int32, device=cand.device)
     _survivors_kernel[(rows, triton.cdiv(n_lists, lg))](
