@@ -213,3 +213,14 @@ def test_validation(backend, device):
     for bad in (0, -1, 2.0, True):
         with pytest.raises(ValueError, match="select_k"):
             select_pools(logits, lens, bad)
+
+
+def test_survivor_count_limit():
+    """A row whose leaves keep ``MAX_SURVIVORS`` candidate keys or more (the radix passes pack
+    counts in 27 bits) is refused before any launch (meta tensors: nothing is allocated)."""
+    chunk, kb = 128, topk.key_block(512)
+    n_lists = topk.MAX_SURVIVORS // min(chunk, kb)
+    cand = torch.empty((1, n_lists, topk.list_size(chunk, kb)), dtype=torch.int64, device="meta")
+    lens = torch.empty((1,), dtype=torch.int64, device="meta")
+    with pytest.raises(ValueError, match="n_cols"):
+        topk.survivors(cand, chunk, lens, n_lists * chunk, 512)
