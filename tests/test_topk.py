@@ -50,15 +50,18 @@ def test_random_rows_with_many_ties(backend, device, select_k):
     check(logits, pool_lens, select_k, device)
 
 
+@pytest.mark.parametrize("bits", [topk.RADIX_BITS, 3])
 @pytest.mark.parametrize("block", [64, 2048])
 @pytest.mark.parametrize("select_k", [3, 16, 100])
-def test_threshold_selection(backend, device, select_k, block, monkeypatch):
+def test_threshold_selection(backend, device, select_k, block, bits, monkeypatch):
     """Rows of several small leaves (``threshold_select``): the survivor bound from wholly
-    visible leaves and its loose fallbacks (no full leaf, every score tied), radix passes over
-    one or many blocks (``block`` keys per step) and across the whole 64-bit key range (NaN,
-    -inf and +inf next to tiny scores)."""
+    visible leaves and its loose fallbacks (no full leaf, every score tied), radix passes of
+    ``bits`` bits (64 not a multiple of 3: a last digit of fewer bits) over one or many blocks
+    (``block`` keys per step) and across the whole 64-bit key range (NaN, -inf and +inf next
+    to tiny scores)."""
     monkeypatch.setattr(topk, "MIN_CHUNK", 32)
     monkeypatch.setattr(topk, "SELECT_BLOCK", block)
+    monkeypatch.setattr(topk, "RADIX_BITS", bits)
     monkeypatch.setattr(topk, "SURVIVOR_KEYS", block)
     g = torch.Generator().manual_seed(100 + select_k)
     leaf = max(32, topk.key_block(select_k))

@@ -28,11 +28,12 @@ Kernels:
    every wholly visible leaf's list; at least ``select_k`` keys are at or above the smallest)
    and appends the keys at or above it to a survivor buffer (offsets from an atomic counter:
    the order varies, the set does not). ``_threshold_select_kernel`` (one program per row)
-   finds the ``select_k``-th best survivor by MSB radix passes of 8 bits (``tl.histogram``)
-   over the offsets from the smallest one, keeps the keys at or above it (exactly
-   ``select_k``), sorts them and writes their ids. Integer work only: exact and
-   deterministic. H200, 1 x 128K: 41 us of bitonic merges became 4 + 20 us; rows whose keys
-   all tie (e.g. all-zero scores) leave the bound loose: about 100 us there.
+   finds the ``select_k``-th best survivor by MSB radix passes of ``RADIX_BITS`` bits
+   (``tl.histogram``) over the offsets from the smallest one, keeps the keys at or above it
+   (exactly ``select_k``), sorts them and writes their ids. Integer work only: exact and
+   deterministic. H200, 1 x 128K: 41 us of bitonic merges became 4 + 20 us (5th session),
+   then 4 + ~13 us (12th: fewer, cheaper passes); one program's dependent steps, each ~0.5-1.6 us.
+   Rows whose keys all tie (e.g. all-zero scores) leave the bound loose: about 100 us there.
 
 Rows with ``n <= select_k`` visible pools skip the loads and the sorting.
 """
@@ -51,6 +52,7 @@ LEAF_BASE = 512  # leaves of up to max(KB, LEAF_BASE) pools (H200: 32 x 128K 329
 MIN_CHUNK = 128  # ... and at least this many (smaller leaves keep all their keys, sorted)
 SELECT_WARPS = 8  # warps of the per-row threshold-select program ...
 SELECT_BLOCK = 2048  # ... and keys per step of its passes (H200 sweep: 32 x 128K 19.9 -> 12.7 us vs 16 x 4096)
+RADIX_BITS = 6  # bits per radix pass of the threshold select, at most 8 (H200, 1 x 128K: 6 -> 38.3 us, 8 -> 40.5)
 SURVIVOR_KEYS = 2048  # keys per program of the survivor filter
 PROGRAMS_PER_SM = 2  # leaf grid target when choosing the leaf size
 MIN_KB = 16  # tl.topk / tl.arange below 16 keys do not lower on every target
@@ -188,19 +190,19 @@ def _compact(base, n, min_key, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _first_shift(rng):
-    """``max(bit_length(rng) - 8, 0)`` of a uint64 scalar: the shift whose digit ``rng >> s``
-    uses all 8 bits (binary search; shifts past 63 read as 0)."""
+def _first_shift(rng, BITS: tl.constexpr):
+    """``max(bit_length(rng) - BITS, 0)`` of a uint64 scalar: the shift whose digit ``rng >> s``
+    uses all ``BITS`` bits (binary search; shifts past 63 read as 0)."""
     s = tl.zeros((), tl.int32)
     for b in tl.static_range(6):
-        shift = s + (32 >> b) + 7
+        shift = s + (32 >> b) + BITS - 1
         s += tl.where((shift < 64) & ((rng >> tl.minimum(shift, 63).to(tl.uint64)) != 0), 32 >> b, 0)
     return s
 
 
 @triton.jit
 def _pick_digit(hist, need, d):
-    """Of a bucket's digit histogram ``hist [256]``: the digit ``d`` holding the ``need``-th
+    """Of a bucket's digit histogram ``hist [2^BITS]``: the digit ``d`` holding the ``need``-th
     largest key, the keys at that digit and the keys at or above it (one reduction over
     ``(digit, at_or_above, at)`` packed in an int64: counts below ``MAX_SURVIVORS``)."""
     at_or_above = tl.cumsum(hist, 0, reverse=True)
@@ -210,33 +212,33 @@ def _pick_digit(hist, need, d):
 
 
 @triton.jit
-def _radix_threshold(base, cnt, lo, top, select_k, BLOCK: tl.constexpr):
+def _radix_threshold(base, cnt, lo, top, select_k, BLOCK: tl.constexpr, BITS: tl.constexpr):
     """The ``select_k``-th largest of the ``cnt >= select_k`` unique keys ``base[0:cnt]``, all
     in ``[lo, top]``, by MSB radix passes over ``u = uint64(key - lo)``; returns it as
-    ``uint64`` offset from ``lo``. The first digit is the range's top 8 bits, each later one
-    the next 8 (the last one fewer). A pass histograms the current bucket's digit, keeps the
-    digit where the count from the top reaches ``need`` and stops once that bucket holds
-    exactly the keys still needed (at the latest on bit 0: keys are unique)."""
+    ``uint64`` offset from ``lo``. The first digit is the range's top ``BITS`` bits, each later
+    one the next ``BITS`` (the last one fewer). A pass histograms the current bucket's digit,
+    keeps the digit where the count from the top reaches ``need`` and stops once that bucket
+    holds exactly the keys still needed (at the latest on bit 0: keys are unique)."""
     span = top.to(tl.uint64, bitcast=True) - lo.to(tl.uint64, bitcast=True)  # current bucket: [bucket, bucket + span]
-    s = _first_shift(span)
+    s = _first_shift(span, BITS)
     bucket = tl.zeros((), tl.uint64)  # lowest offset of the current bucket
     need = tl.zeros((), tl.int32) + select_k
     searching = cnt > 0
-    d = tl.arange(0, 256)
+    d = tl.arange(0, 1 << BITS)
     while searching:
-        hist = tl.zeros((256,), tl.int32)
+        hist = tl.zeros((1 << BITS,), tl.int32)
         for start in range(0, cnt, BLOCK):
             i = start + tl.arange(0, BLOCK)
             u = tl.load(base + i, mask=i < cnt, other=0).to(tl.uint64, bitcast=True) - lo.to(tl.uint64, bitcast=True)
             rel = u - bucket
-            hist += tl.histogram(((rel >> s.to(tl.uint64)) & 255).to(tl.int32), 256,
+            hist += tl.histogram(((rel >> s.to(tl.uint64)) & ((1 << BITS) - 1)).to(tl.int32), 1 << BITS,
                                  mask=(i < cnt) & (u >= bucket) & (rel <= span))
         digit, at_or_above, n_eq = _pick_digit(hist, need, d)
         need -= at_or_above - n_eq
         bucket += digit.to(tl.uint64) << s.to(tl.uint64)
         span = (tl.full((), 1, tl.uint64) << s.to(tl.uint64)) - 1
         searching = (need != n_eq) & (s > 0)
-        s = tl.maximum(s - 8, 0)
+        s = tl.maximum(s - BITS, 0)
     return bucket
 
 
@@ -283,7 +285,7 @@ def _min_max(a_lo, a_top, b_lo, b_top):
 
 @triton.jit
 def _threshold_select_kernel(surv_ptr, n_surv, count_ptr, lens_ptr, lens_stride, n_cols, out_ptr, out_stride,
-                             select_k, KB: tl.constexpr, BLOCK: tl.constexpr):
+                             select_k, KB: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr):
     # Program (row): the select_k best of the row's count[row] survivors surv[row, :] (module
     # docstring, step 2); the survivors are overwritten.
     row = tl.program_id(0).to(tl.int64)
@@ -300,7 +302,7 @@ def _threshold_select_kernel(surv_ptr, n_surv, count_ptr, lens_ptr, lens_stride,
             lo_i, top_i = tl.reduce((tl.where(i < cnt, key, 9223372036854775807), key), 0, _min_max)
             lo = tl.minimum(lo, lo_i)
             top = tl.maximum(top, top_i)
-        kth = lo.to(tl.uint64, bitcast=True) + _radix_threshold(base, cnt, lo, top, select_k, BLOCK)
+        kth = lo.to(tl.uint64, bitcast=True) + _radix_threshold(base, cnt, lo, top, select_k, BLOCK, BITS)
         _compact(base, cnt, kth.to(tl.int64, bitcast=True), BLOCK)  # exactly select_k keys left in front
         c = tl.arange(0, KB)
         keys = tl.load(base + c, mask=c < select_k, other=NO_KEY)
@@ -387,7 +389,7 @@ def threshold_select(cand, chunk, lens, n_cols, select_k, out) -> None:
     surv, count = survivors(cand, chunk, lens, n_cols, select_k)
     _threshold_select_kernel[(out.shape[0],)](
         surv, surv.shape[1], count, lens, lens.stride(0), n_cols, out, out.stride(0), select_k,
-        KB=key_block(select_k), BLOCK=SELECT_BLOCK, num_warps=SELECT_WARPS,
+        KB=key_block(select_k), BLOCK=SELECT_BLOCK, BITS=RADIX_BITS, num_warps=SELECT_WARPS,
     )
 
 
