@@ -280,6 +280,25 @@ def test_compute_pooled_write_locs_out_of_range(backend, device, monkeypatch):
     assert got == oracle_write_locs(pt64.tolist(), ids.tolist(), p) == [100 * 64, 108 * 64 + 63, -1, -1, -1]
 
 
+@pytest.mark.parametrize("p", [4, 16])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_visible_counts(backend, device, p, dtype):
+    """Tokens (``pos + 1``) and complete pools (``(pos + 1) // P``) per row, 0 for padding
+    rows (any negative position), every pool-boundary class, rows past one program's block."""
+    pos = torch.cat([torch.arange(-3, 3 * p + 2), torch.tensor([-(2 ** 31), 2 ** 31 - 2])]).to(dtype)
+    pos = torch.cat([pos, torch.randint(0, 1 << 20, (2500,), generator=torch.Generator().manual_seed(p)).to(dtype)])
+    grid = pos.reshape(-1, 1)[: pos.numel() // 3 * 3].reshape(-1, 3)  # [B, n] as the decode step passes it
+    seq, lens = sel.visible_counts(grid.to(device), p)
+    want = [max(x + 1, 0) for x in grid.reshape(-1).tolist()]
+    assert seq.dtype == lens.dtype == torch.int64 and seq.shape == lens.shape == (grid.numel(),)
+    assert seq.cpu().tolist() == want
+    assert lens.cpu().tolist() == [x // p for x in want]
+    with pytest.raises(TypeError, match="positions"):
+        sel.visible_counts(grid.float(), p)
+    with pytest.raises(ValueError, match="pool_size"):
+        sel.visible_counts(grid, 0)
+
+
 def test_history_group_budget_for_topk():
     assert sel.history_group_budget_for_topk(2048, 4) == 512
     assert sel.history_group_budget_for_topk(2048, 16) == 128

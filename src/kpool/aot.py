@@ -297,6 +297,9 @@ def _select_specs(m):
             ptrs=dict(pt_ptr="i32", ids_ptr="i32", out_ptr="i64"),
             cross=(pool_axis(),),
             cycle=(int_ptr_axis("pt_ptr", "ids_ptr"), axis("pt_s0", (1, "i32"))), fixed=dict(BLOCK=m.FLAT_BLOCK)),
+        "_visible_counts_kernel": KernelSpec(
+            ptrs=dict(pos_ptr="i32", out_ptr="i64"),
+            cross=(pool_axis(),), cycle=(int_ptr_axis("pos_ptr"),), fixed=dict(BLOCK=m.FLAT_BLOCK)),
     }
 
 

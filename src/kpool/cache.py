@@ -31,7 +31,7 @@ from .ops.decode import kpool_decode_update_and_maybe_write_cache_batched
 from .ops.logits import SUPPORTED_HEADS
 from .ops.prefill import REQUEST_FIELDS, write_prefill
 from .ops.quant import quantize_queries
-from .ops.select import expand_pools_and_append_tail
+from .ops.select import expand_pools_and_append_tail, visible_counts
 from .ops.score import paged_pool_topk
 
 LOGITS_BUDGET_ENV = "KPOOL_LOGITS_BUDGET_MB"
@@ -565,8 +565,8 @@ def score_and_select_quantized(q8, w, kv_cache, page_table, positions, *, pool_s
     int32 ``[B * n, width]`` rows as ``KPoolCache.topk_indices`` (padding rows all -1).
     """
     batch, n = positions.shape
-    seq = (positions.to(torch.int64) + 1).clamp_min(0)  # tokens each row sees (0: padding row)
-    lens = torch.div(seq, pool_size, rounding_mode="floor")
+    seq, lens = visible_counts(positions, pool_size)  # [B * n] tokens / complete pools each row sees
+    lens = lens.view(batch, n)
     if max_pools is None:
         max_pools = page_table.shape[1] * kv_cache.shape[1]
     if max_pools <= select_k:
@@ -575,7 +575,7 @@ def score_and_select_quantized(q8, w, kv_cache, page_table, positions, *, pool_s
     else:
         ids = paged_pool_topk(q8, kv_cache, w, lens, page_table, select_k, layout=layout, fp8_dtype=fp8_dtype,
                               max_pools=max_pools)
-    return expand_pools_and_append_tail(ids, seq.reshape(-1), pool_size, width=width)
+    return expand_pools_and_append_tail(ids, seq, pool_size, width=width)
 
 
 def score_and_select(q, weights, kv_cache, page_table, positions, *, pool_size, index_topk, width=None,

@@ -155,6 +155,16 @@ def _pooled_write_locs_kernel(pt_ptr, pt_s0, n_pages, ids_ptr, out_ptr, n,
     tl.store(out_ptr + i, tl.where(ok, page * 64 + (tl.maximum(ids, 0) % 64), -1), mask=live)
 
 
+@triton.jit
+def _visible_counts_kernel(pos_ptr, out_ptr, n, P: tl.constexpr, BLOCK: tl.constexpr):
+    # Grid (cdiv(n, BLOCK),): out[0, i] = max(pos[i] + 1, 0) (tokens row i sees), out[1, i] = that // P.
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = i < n
+    seq = tl.maximum(tl.load(pos_ptr + i, mask=live, other=-1).to(tl.int64) + 1, 0)
+    tl.store(out_ptr + i, seq, mask=live)
+    tl.store(out_ptr + n + i, seq // P, mask=live)
+
+
 # ----------------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------------
@@ -405,6 +415,32 @@ def compute_pooled_write_locs(page_table_64, pool_ids, pool_size):
     _pooled_write_locs_kernel[(triton.cdiv(n, FLAT_BLOCK),)](
         page_table_64, page_table_64.stride(0), n_pages, ids, out, n, P=pool_size, BLOCK=FLAT_BLOCK)
     return out
+
+
+def visible_counts(positions, pool_size):
+    """Tokens and complete pools each query row sees, in one launch.
+
+    Parameters
+    ----------
+    positions : int32/int64 ``[...]`` token positions; negative = padding row.
+    pool_size : P.
+
+    Returns
+    -------
+    ``(seq_lens, pool_lens)``: int64 ``[positions.numel()]`` each (flattened in row-major order):
+    ``max(pos + 1, 0)`` and ``seq_lens // P``.
+    """
+    check_pool_size(pool_size)
+    check_tensor("positions", positions, dtype=INT_DTYPES)
+    pos = positions.reshape(-1)
+    if backend_for(positions.device) == "torch":
+        seq = (pos.to(torch.int64) + 1).clamp_min(0)
+        return seq, torch.div(seq, pool_size, rounding_mode="floor")
+    n = pos.numel()
+    out = torch.empty((2, n), dtype=torch.int64, device=positions.device)
+    if n:
+        _visible_counts_kernel[(triton.cdiv(n, FLAT_BLOCK),)](pos.contiguous(), out, n, P=pool_size, BLOCK=FLAT_BLOCK)
+    return out[0], out[1]
 
 
 def history_group_budget_for_topk(topk, pool_size):
