@@ -335,11 +335,11 @@ def _topk_specs(m):
             cross=(_leaf_axis(), flag("FINAL")),
             cycle=(int_ptr_axis("lens_ptr"), axis("lens_stride", (1, "i32")))),
         "_survivors_kernel": KernelSpec(
-            ptrs=dict(cand_ptr="i64", lens_ptr="i32", surv_ptr="i64", state_ptr="i64", state_u_ptr="u64"),
+            ptrs=dict(cand_ptr="i64", lens_ptr="i32", surv_ptr="i64", count_ptr="i32"),
             cross=(_survivor_axis(m), axis("LB", (2, 256))),  # LB = next_pow2(leaves per row)
             cycle=(int_ptr_axis("lens_ptr"), axis("lens_stride", (1, "i32")))),
         "_threshold_select_kernel": KernelSpec(
-            ptrs=dict(surv_ptr="i64", state_ptr="i64", state_u_ptr="u64", lens_ptr="i32", out_ptr="i32"),
+            ptrs=dict(surv_ptr="i64", count_ptr="i32", lens_ptr="i32", out_ptr="i32"),
             cross=(_kb_axis(),), cycle=(int_ptr_axis("lens_ptr"), axis("lens_stride", (1, "i32"))),
             fixed=dict(BLOCK=m.SELECT_BLOCK, BITS=m.RADIX_BITS), options=dict(num_warps=m.SELECT_WARPS)),
     }
