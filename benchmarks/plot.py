@@ -15,7 +15,9 @@ import sys
 from pathlib import Path
 
 SIZE_KEY = {"compress": "pools", "prefill": "tokens", "decode": "batch", "expand": "rows", "seed_tail": "tokens",
-            "score": "rows"}
+            "score": "rows", "fp8": "pools"}
+# parameters that tell one line from another (the rest follow from them and the size)
+LINE_KEYS = {"decode": ("P", "next_n"), "seed_tail": ("P", "requests"), "score": ("kind", "ctx", "pools")}
 STYLE = {"ours": ("tab:blue", "-"), "ours_ring2P": ("tab:cyan", "-"), "ours_per_request": ("tab:blue", "-"),
          "ours_gathered": ("tab:purple", "-."), "seed": ("tab:red", "--"), "seed_upstream": ("tab:orange", "--"),
          "torch": ("tab:gray", ":")}
@@ -31,11 +33,11 @@ def series(doc):
     out = {}
     for op, recs in by_op.items():
         key = SIZE_KEY.get(op)
-        params = sorted({k for r in recs for k in r["params"] if k != key})
+        params = LINE_KEYS.get(op, ("P",))
         varying = [k for k in params if len({json.dumps(r["params"].get(k)) for r in recs}) > 1]
         lines: dict = {}
         for r in recs:
-            fixed = tuple((k, r["params"].get(k)) for k in varying)
+            fixed = tuple((k, r["params"][k]) for k in varying if r["params"].get(k) is not None)
             size = r["params"].get(key, 0)
             lines.setdefault((r["impl"], fixed), []).append((size, r["gbps"]))
         out[op] = {k: sorted(v) for k, v in lines.items()}

@@ -147,6 +147,25 @@ def test_plot_series_groups_by_impl_and_fixed_params():
     assert [x for x, _ in dec[("seed", (("P", 4), ("next_n", 2)))]] == [1, 64, 256, 1024]
 
 
+def test_plot_series_line_keys():
+    """Score lines are told apart by kind and context (not by every parameter that varies, and
+    never by a parameter the record lacks); the fp8 encoder records are sized by pools."""
+    pl = _load("plot")
+    rec = lambda op, impl, params: {"op": op, "impl": impl, "status": "ok", "gbps": 1.0, "params": params}
+    dec = dict(kind="decode", next_n=1, index_topk=2048, P=4, heads=32)
+    doc = {"results": [rec("score", "ours", dict(dec, batch=1, ctx=131072, rows=1)),
+                       rec("score", "ours", dict(dec, batch=32, ctx=131072, rows=32)),
+                       rec("score", "ours", dict(dec, batch=128, ctx=1048576, rows=128)),
+                       rec("score", "ours", dict(kind="prefill", queries=8192, pools=32768, rows=8192, P=4)),
+                       rec("fp8", "native", dict(P=4, pools=262144, page=64)),
+                       rec("fp8", "native", dict(P=16, pools=262144, page=64))]}
+    data = pl.series(doc)
+    assert data["score"] == {("ours", (("kind", "decode"), ("ctx", 131072))): [(1, 1.0), (32, 1.0)],
+                             ("ours", (("kind", "decode"), ("ctx", 1048576))): [(128, 1.0)],
+                             ("ours", (("kind", "prefill"), ("pools", 32768))): [(8192, 1.0)]}
+    assert data["fp8"] == {("native", (("P", 4),)): [(262144, 1.0)], ("native", (("P", 16),)): [(262144, 1.0)]}
+
+
 def test_gpu_slug():
     h = bench.harness()
     assert h.gpu_slug("NVIDIA H200") == "h200"
