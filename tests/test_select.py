@@ -287,7 +287,7 @@ def test_visible_counts(backend, device, p, dtype):
     rows (any negative position), every pool-boundary class, rows past one program's block."""
     pos = torch.cat([torch.arange(-3, 3 * p + 2), torch.tensor([-(2 ** 31), 2 ** 31 - 2])]).to(dtype)
     pos = torch.cat([pos, torch.randint(0, 1 << 20, (2500,), generator=torch.Generator().manual_seed(p)).to(dtype)])
-    grid = pos.reshape(-1, 1)[: pos.numel() // 3 * 3].reshape(-1, 3)  # [B, n] as the decode step passes it
+    grid = pos[: pos.numel() // 3 * 3].reshape(-1, 3)  # [B, n] as the decode step passes it
     seq, lens = sel.visible_counts(grid.to(device), p)
     want = [max(x + 1, 0) for x in grid.reshape(-1).tolist()]
     assert seq.dtype == lens.dtype == torch.int64 and seq.shape == lens.shape == (grid.numel(),)

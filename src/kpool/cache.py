@@ -379,10 +379,10 @@ class KPoolCache:
         """Rows seeing at most ``select_k`` pools: every visible pool in order, then the tail."""
         rows = torch.cat([torch.arange(r0, r0 + n, dtype=torch.int64) for r0, _, n in runs])
         pos = torch.cat([torch.arange(a, a + n, dtype=torch.int64) for _, a, n in runs]).to(self.device)
-        lens = torch.div(pos + 1, self.pool_size, rounding_mode="floor")
+        seq, lens = visible_counts(pos, self.pool_size)
         cols = torch.arange(select_k, dtype=torch.int64, device=self.device)
         ids = torch.where(cols[None, :] < lens[:, None], cols[None, :], -1).to(torch.int32)
-        idx = expand_pools_and_append_tail(ids, pos + 1, self.pool_size, width=width)
+        idx = expand_pools_and_append_tail(ids, seq, self.pool_size, width=width)
         _put_rows(out, rows, idx, total)
 
     def _score_chunk(self, out, chunk, q8, w, page_table, select_k, width, total) -> None:

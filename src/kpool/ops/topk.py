@@ -57,7 +57,10 @@ SURVIVOR_KEYS = 2048  # keys per program of the survivor filter
 PROGRAMS_PER_SM = 2  # leaf grid target when choosing the leaf size
 MIN_KB = 16  # tl.topk / tl.arange below 16 keys do not lower on every target
 HEAD = tl.constexpr(MIN_KB)  # sorted best keys ahead of an unsorted leaf list (module docstring, 1.)
-MAX_SURVIVORS = 1 << 27  # keys per row of the survivor buffer (radix counts are packed in 27 bits)
+COUNT_BITS = 27  # bits of each count _pick_digit packs into an int64 with its digit ...
+MAX_SURVIVORS = 1 << COUNT_BITS  # ... so a row keeps fewer survivor keys than this
+_COUNT_SHIFT, _DIGIT_SHIFT = tl.constexpr(COUNT_BITS), tl.constexpr(2 * COUNT_BITS)
+_COUNT_MASK = tl.constexpr(MAX_SURVIVORS - 1)
 NO_KEY = tl.constexpr(-9223372036854775807 - 1)  # INT64_MIN: the key of a pool the row does not see
 
 
@@ -204,11 +207,13 @@ def _first_shift(rng, BITS: tl.constexpr):
 def _pick_digit(hist, need, d):
     """Of a bucket's digit histogram ``hist [2^BITS]``: the digit ``d`` holding the ``need``-th
     largest key, the keys at that digit and the keys at or above it (one reduction over
-    ``(digit, at_or_above, at)`` packed in an int64: counts below ``MAX_SURVIVORS``)."""
+    ``(digit, at_or_above, at)`` packed in an int64: counts below ``MAX_SURVIVORS``, digits
+    below 2^8)."""
     at_or_above = tl.cumsum(hist, 0, reverse=True)
-    packed = (d.to(tl.int64) << 54) | (at_or_above.to(tl.int64) << 27) | hist.to(tl.int64)
+    packed = (d.to(tl.int64) << _DIGIT_SHIFT) | (at_or_above.to(tl.int64) << _COUNT_SHIFT) | hist.to(tl.int64)
     best = tl.max(tl.where(at_or_above >= need, packed, -1))
-    return (best >> 54).to(tl.int32), ((best >> 27) & 0x7FFFFFF).to(tl.int32), (best & 0x7FFFFFF).to(tl.int32)
+    return ((best >> _DIGIT_SHIFT).to(tl.int32), ((best >> _COUNT_SHIFT) & _COUNT_MASK).to(tl.int32),
+            (best & _COUNT_MASK).to(tl.int32))
 
 
 @triton.jit
