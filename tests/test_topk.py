@@ -50,19 +50,33 @@ def test_random_rows_with_many_ties(backend, device, select_k):
     check(logits, pool_lens, select_k, device)
 
 
-@pytest.mark.parametrize("bits", [topk.RADIX_BITS, 3])
+@pytest.mark.parametrize("bits,limit", [(3, 0), (topk.RADIX_BITS, 300), (topk.RADIX_BITS, None)])
 @pytest.mark.parametrize("block", [64, 2048])
 @pytest.mark.parametrize("select_k", [3, 16, 100])
-def test_threshold_selection(backend, device, select_k, block, bits, monkeypatch):
+def test_threshold_selection(backend, device, select_k, block, bits, limit, monkeypatch):
     """Rows of several small leaves (``threshold_select``): the survivor bound from wholly
-    visible leaves and its loose fallbacks (no full leaf, every score tied), radix passes of
-    ``bits`` bits (64 not a multiple of 3: a last digit of fewer bits) over one or many blocks
-    (``block`` keys per step) and across the whole 64-bit key range (NaN, -inf and +inf next
-    to tiny scores)."""
+    visible leaves and its loose fallbacks (no full leaf, every score tied); rows ranked by
+    compares (up to ``limit`` survivors per row, ``None``: the default ``RANK_COMPARES``) and
+    the others by radix passes of ``bits`` bits (64 not a multiple of 3: a last digit of fewer
+    bits), in one launch when ``limit`` is 300 (the tied rows keep every key); one or many
+    blocks of ``block`` keys per step, ranking slices past the survivors, and the whole
+    64-bit key range (NaN, -inf and +inf next to tiny scores)."""
     monkeypatch.setattr(topk, "MIN_CHUNK", 32)
     monkeypatch.setattr(topk, "SELECT_BLOCK", block)
     monkeypatch.setattr(topk, "RADIX_BITS", bits)
     monkeypatch.setattr(topk, "SURVIVOR_KEYS", block)
+    monkeypatch.setattr(topk, "RANK_BLOCK", min(block, topk.RANK_BLOCK))
+    if limit is not None:
+        monkeypatch.setattr(topk, "RANK_COMPARES", 8 * limit * limit)  # 8 rows
+    counts = []
+    real = topk.survivors
+
+    def spy(*args):
+        surv, count = real(*args)
+        counts.append(count.clone())
+        return surv, count
+
+    monkeypatch.setattr(topk, "survivors", spy)
     g = torch.Generator().manual_seed(100 + select_k)
     leaf = max(32, topk.key_block(select_k))
     n = 20 * leaf
@@ -82,6 +96,9 @@ def test_threshold_selection(backend, device, select_k, block, bits, monkeypatch
     pool_lens = torch.tensor([n, n - 7, n, n, n, 2 * leaf + 1, n, select_k + 1])
     logits = torch.cat([logits, logits[:1]])
     check(logits, pool_lens, select_k, device)
+    if backend == "triton":
+        ranked = counts[0][pool_lens.to(device) > select_k] <= topk.rank_limit(8)
+        assert ranked.all() if limit is None else not ranked.any() if limit == 0 else 0 < int(ranked.sum()) < ranked.numel()
 
 
 @pytest.mark.parametrize("select_k", [16, 100])

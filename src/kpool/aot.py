@@ -341,7 +341,8 @@ def _topk_specs(m):
         "_threshold_select_kernel": KernelSpec(
             ptrs=dict(surv_ptr="i64", count_ptr="i32", lens_ptr="i32", out_ptr="i32"),
             cross=(_kb_axis(),), cycle=(int_ptr_axis("lens_ptr"), axis("lens_stride", (1, "i32"))),
-            fixed=dict(BLOCK=m.SELECT_BLOCK, BITS=m.RADIX_BITS), options=dict(num_warps=m.SELECT_WARPS)),
+            fixed=dict(BLOCK=m.SELECT_BLOCK, BITS=m.RADIX_BITS, SLICE=m.RANK_SLICE, RANK_BLOCK=m.RANK_BLOCK),
+            options=dict(num_warps=m.SELECT_WARPS)),
     }
 
 

@@ -27,18 +27,25 @@ Kernels:
    row's ``select_k``-th best key (``_row_bound``: the ``cdiv(select_k, n_full)``-th key of
    every wholly visible leaf's list; at least ``select_k`` keys are at or above the smallest)
    and appends the keys at or above it to a survivor buffer (offsets from an atomic counter:
-   the order varies, the set does not). ``_threshold_select_kernel`` (one program per row)
-   finds the ``select_k``-th best survivor by MSB radix passes of ``RADIX_BITS`` bits
-   (``tl.histogram``) over the offsets from the smallest one, keeps the keys at or above it
-   (exactly ``select_k``), sorts them and writes their ids. Integer work only: exact and
+   the order varies, the set does not). ``_threshold_select_kernel`` then writes the
+   ``select_k`` best survivors' ids, sorted, in one of two ways. A row with at most
+   ``rank_limit(rows)`` survivors (``RANK_COMPARES``: the compares grow as the square) is
+   *ranked*: the row's programs count, for each survivor, the survivors above it, and the
+   ones ranked below ``select_k`` write their ids at that column (no sort, no serial
+   passes). A row with more survivors (a loose bound: e.g. all-tied scores) goes to one
+   program's MSB radix passes of ``RADIX_BITS`` bits (``tl.histogram``) over the offsets
+   from the smallest survivor, which find the ``select_k``-th best; the keys at or above it
+   (exactly ``select_k``) are compacted and sorted. Integer work only: exact and
    deterministic. H200, 1 x 128K: 41 us of bitonic merges became 4 + 20 us (5th session),
-   then 4 + ~13 us (12th: fewer, cheaper passes); one program's dependent steps, each ~0.5-1.6 us.
-   Rows whose keys all tie (e.g. all-zero scores) leave the bound loose: about 100 us there.
+   then 4 + ~13 us (12th: fewer, cheaper passes; one program's dependent steps, each
+   ~0.5-1.6 us). Rows whose keys all tie leave the bound loose: about 100 us there.
 
 Rows with ``n <= select_k`` visible pools skip the loads and the sorting.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -53,6 +60,10 @@ MIN_CHUNK = 128  # ... and at least this many (smaller leaves keep all their key
 SELECT_WARPS = 8  # warps of the per-row threshold-select program ...
 SELECT_BLOCK = 2048  # ... and keys per step of its passes (H200 sweep: 32 x 128K 19.9 -> 12.7 us vs 16 x 4096)
 RADIX_BITS = 6  # bits per radix pass of the threshold select, at most 8 (H200, 1 x 128K: 6 -> 38.3 us, 8 -> 40.5)
+RANK_COMPARES = 1 << 24  # compares one threshold select may spend ranking (rank_limit; H200: 1 x 128K, 2,367
+#                          survivors, 33.7 -> 25.7 us ranked; 32 x 128K, ~1,000 per row, 224 radix vs 233 ranked)
+RANK_SLICE, RANK_BLOCK = 8, 256  # survivors a ranking program ranks, and compares them with, per step ...
+RANK_PROGRAMS_PER_SM = 3  # ... and its programs per SM (rank_programs)
 SURVIVOR_KEYS = 2048  # keys per program of the survivor filter
 PROGRAMS_PER_SM = 2  # leaf grid target when choosing the leaf size
 MIN_KB = 16  # tl.topk / tl.arange below 16 keys do not lower on every target
@@ -289,30 +300,66 @@ def _min_max(a_lo, a_top, b_lo, b_top):
 
 
 @triton.jit
+def _rank_write(base, cnt, out_row, select_k, SLICE: tl.constexpr, BLOCK: tl.constexpr):
+    """Of the ``cnt`` unique keys ``base[0:cnt]``: every key whose rank (the count of larger
+    keys) is below ``select_k`` writes its pool id to column ``rank`` of ``out_row``, i.e. the
+    ``select_k`` best, sorted. Program ``g`` of ``G`` (axis 1) ranks keys ``[s, s + SLICE)``
+    for ``s = g * SLICE, (g + G) * SLICE, ...`` against all ``cnt``, ``BLOCK`` at a time."""
+    g, n_prog = tl.program_id(1), tl.num_programs(1)
+    for s in range(g * SLICE, cnt, n_prog * SLICE):
+        i = s + tl.arange(0, SLICE)
+        mine = tl.load(base + i, mask=i < cnt, other=NO_KEY)
+        above = tl.zeros((SLICE, BLOCK), tl.int32)
+        j = tl.arange(0, BLOCK)
+        other = tl.load(base + j, mask=j < cnt, other=NO_KEY)
+        for start in range(BLOCK, cnt + BLOCK, BLOCK):
+            # the next block is loaded before this one is compared
+            j = start + tl.arange(0, BLOCK)
+            nxt = tl.load(base + j, mask=j < cnt, other=NO_KEY)
+            above += (other[None, :] > mine[:, None]).to(tl.int32)
+            other = nxt
+        rank = tl.sum(above, axis=1)
+        tl.store(out_row + rank, (4294967295 - (mine & 4294967295)).to(tl.int32), mask=(i < cnt) & (rank < select_k))
+
+
+@triton.jit
+def _radix_select(base, cnt, out_row, n_vis, select_k, KB: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr):
+    """The ``select_k`` best of the ``cnt >= select_k`` unique keys ``base[0:cnt]``, sorted, as
+    pool ids in ``out_row``: min / max, radix passes to the ``select_k``-th, compaction of the
+    keys at or above it (``base`` is overwritten), a sort of those."""
+    lo = tl.full((), 9223372036854775807, tl.int64)
+    top = tl.full((), NO_KEY, tl.int64)
+    for start in range(0, cnt, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        key = tl.load(base + i, mask=i < cnt, other=NO_KEY)
+        lo_i, top_i = tl.reduce((tl.where(i < cnt, key, 9223372036854775807), key), 0, _min_max)
+        lo = tl.minimum(lo, lo_i)
+        top = tl.maximum(top, top_i)
+    kth = lo.to(tl.uint64, bitcast=True) + _radix_threshold(base, cnt, lo, top, select_k, BLOCK, BITS)
+    _compact(base, cnt, kth.to(tl.int64, bitcast=True), BLOCK)  # exactly select_k keys left in front
+    c = tl.arange(0, KB)
+    keys = tl.load(base + c, mask=c < select_k, other=NO_KEY)
+    emit_selection(out_row, tl.sort(keys, descending=True), n_vis, select_k, KB)
+
+
+@triton.jit
 def _threshold_select_kernel(surv_ptr, n_surv, count_ptr, lens_ptr, lens_stride, n_cols, out_ptr, out_stride,
-                             select_k, KB: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr):
-    # Program (row): the select_k best of the row's count[row] survivors surv[row, :] (module
-    # docstring, step 2); the survivors are overwritten.
+                             select_k, rank_limit, KB: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr,
+                             SLICE: tl.constexpr, RANK_BLOCK: tl.constexpr):
+    # Program (row, g): the select_k best of the row's count[row] survivors surv[row, :] (module
+    # docstring, step 2): ranked by every program of the row when there are at most rank_limit,
+    # else by program 0's radix passes (the survivors are overwritten).
     row = tl.program_id(0).to(tl.int64)
     n_vis = visible_pools(lens_ptr, row * lens_stride, n_cols)
     out_row = out_ptr + row * out_stride
     if n_vis > select_k:
         base = surv_ptr + row * n_surv
         cnt = tl.load(count_ptr + row)
-        lo = tl.full((), 9223372036854775807, tl.int64)
-        top = tl.full((), NO_KEY, tl.int64)
-        for start in range(0, cnt, BLOCK):
-            i = start + tl.arange(0, BLOCK)
-            key = tl.load(base + i, mask=i < cnt, other=NO_KEY)
-            lo_i, top_i = tl.reduce((tl.where(i < cnt, key, 9223372036854775807), key), 0, _min_max)
-            lo = tl.minimum(lo, lo_i)
-            top = tl.maximum(top, top_i)
-        kth = lo.to(tl.uint64, bitcast=True) + _radix_threshold(base, cnt, lo, top, select_k, BLOCK, BITS)
-        _compact(base, cnt, kth.to(tl.int64, bitcast=True), BLOCK)  # exactly select_k keys left in front
-        c = tl.arange(0, KB)
-        keys = tl.load(base + c, mask=c < select_k, other=NO_KEY)
-        emit_selection(out_row, tl.sort(keys, descending=True), n_vis, select_k, KB)
-    else:
+        if cnt <= rank_limit:
+            _rank_write(base, cnt, out_row, select_k, SLICE, RANK_BLOCK)
+        elif tl.program_id(1) == 0:
+            _radix_select(base, cnt, out_row, n_vis, select_k, KB, BLOCK, BITS)
+    elif tl.program_id(1) == 0:
         emit_in_order(out_row, n_vis, select_k, KB)
 
 
@@ -388,13 +435,33 @@ def survivors(cand, chunk, lens, n_cols, select_k) -> tuple:
     return surv, count
 
 
+def rank_limit(rows: int) -> int:
+    """Survivors per row up to which ``threshold_select`` ranks by compares: ``rows * limit^2``
+    compares at most ``RANK_COMPARES``."""
+    return math.isqrt(RANK_COMPARES // max(rows, 1))
+
+
+def rank_programs(rows: int, limit: int, device) -> int:
+    """Programs per row of ``_threshold_select_kernel`` (each ranks every ``G``-th slice): enough
+    to fill the GPU with ``RANK_PROGRAMS_PER_SM`` per SM, at most one per slice of ``limit``
+    survivors (two off the GPU, so that the CPU lanes exercise the striding)."""
+    slices = max(1, triton.cdiv(limit, RANK_SLICE))
+    if device.type == "cuda" and not interpreting():
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return min(slices, max(1, triton.cdiv(RANK_PROGRAMS_PER_SM * sms, rows)))
+    return min(slices, 2)
+
+
 def threshold_select(cand, chunk, lens, n_cols, select_k, out) -> None:
     """``cand`` as in ``survivors`` (``n_lists >= 2``) -> each row's selection in
     ``out [rows, select_k]`` int32."""
     surv, count = survivors(cand, chunk, lens, n_cols, select_k)
-    _threshold_select_kernel[(out.shape[0],)](
-        surv, surv.shape[1], count, lens, lens.stride(0), n_cols, out, out.stride(0), select_k,
-        KB=key_block(select_k), BLOCK=SELECT_BLOCK, BITS=RADIX_BITS, num_warps=SELECT_WARPS,
+    rows = out.shape[0]
+    limit = rank_limit(rows)
+    _threshold_select_kernel[(rows, rank_programs(rows, limit, out.device))](
+        surv, surv.shape[1], count, lens, lens.stride(0), n_cols, out, out.stride(0), select_k, limit,
+        KB=key_block(select_k), BLOCK=SELECT_BLOCK, BITS=RADIX_BITS, SLICE=RANK_SLICE, RANK_BLOCK=RANK_BLOCK,
+        num_warps=SELECT_WARPS,
     )
 
 
