@@ -15,6 +15,7 @@ from kpool.ops import score, topk
 from kpool.ops.logits import paged_pool_logits
 from kpool.ops.score import paged_pool_topk
 from kpool.ops.topk import select_pools
+from _util import GarbageTorch
 from test_logits import make_cache, rand_codes, weights
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
@@ -71,8 +72,10 @@ def test_rows_per_program(backend, device, max_rows, monkeypatch):
     """Verify steps of 5 rows scored ``max_rows`` at a time (the last program partly past the
     step): rows of one program see different pool counts, out of order, at or under
     ``select_k`` next to long rows, none; one leaf per row (ids written by the leaf) and
-    several (threshold selection)."""
+    several (threshold selection). The selection's scratch starts as garbage: the leaf programs
+    zero the survivor counters of their live rows."""
     monkeypatch.setattr(score, "MAX_ROWS", max_rows)
+    monkeypatch.setattr(topk, "torch", GarbageTorch())
     run_case(device, batch=2, next_n=5, heads=32, page=64, pages_per=8,
              lens=[300, 17, 0, 450, 16, 449, 448, 5, 120, 64], select_k=16, fp8_dtype=torch.float8_e4m3fn, seed=11)
     run_case(device, batch=2, next_n=5, heads=16, page=64, pages_per=2,

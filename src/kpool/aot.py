@@ -331,7 +331,7 @@ def _survivor_axis(m):
 def _topk_specs(m):
     return {
         "_chunk_topk_kernel": KernelSpec(
-            ptrs=dict(x_ptr="fp32", lens_ptr="i32", cand_ptr="i64", out_ptr="i32"),
+            ptrs=dict(x_ptr="fp32", lens_ptr="i32", cand_ptr="i64", count_ptr="i32", out_ptr="i32"),
             cross=(_leaf_axis(), flag("FINAL")),
             cycle=(int_ptr_axis("lens_ptr"), axis("lens_stride", (1, "i32")))),
         "_survivors_kernel": KernelSpec(
@@ -350,7 +350,7 @@ def _score_specs(m):
     from .ops.logits import SUPPORTED_HEADS
     return {"_paged_topk_kernel": KernelSpec(
         ptrs=dict(q_ptr="u8", w_ptr="fp32", lens_ptr="i64", pt_ptr="i32", kv_ptr="u8", kv_f32_ptr="fp32",
-                  cand_ptr="i64", out_ptr="i32", lut_ptr="i32"),
+                  cand_ptr="i64", count_ptr="i32", out_ptr="i32", lut_ptr="i32"),
         cross=(layout_axis(), fp8_axis("FNUZ"), axis("H", SUPPORTED_HEADS)),
         cycle=(_leaf_axis(m.BLOCK_POOLS, "_chunk"), flag("FINAL"), _PAGE, axis("next_n", (1, "i32")),
                axis("ROWS", (1, m.MAX_ROWS)),

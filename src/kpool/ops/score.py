@@ -35,7 +35,7 @@ MAX_ROWS = 2  # query rows of one request per program (H200, verify 32 x 128K x 
 @triton.jit
 def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_ptr, lens_stride,
                        pt_ptr, pt_sb, pt_sp, kv_ptr, kv_f32_ptr, page_stride, num_pages,
-                       cand_ptr, out_ptr, out_stride, vis_limit, next_n, select_k, n_chunks, lut_ptr,
+                       cand_ptr, count_ptr, out_ptr, out_stride, vis_limit, next_n, select_k, n_chunks, lut_ptr,
                        PAGE: tl.constexpr, BN: tl.constexpr, NT: tl.constexpr, KB: tl.constexpr, H: tl.constexpr,
                        ROWS: tl.constexpr, PRESHUFFLE: tl.constexpr, FINAL: tl.constexpr, FNUZ: tl.constexpr,
                        NATIVE_FP8: tl.constexpr):
@@ -49,6 +49,7 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
     rr = tl.arange(0, ROWS)
     live = t0 + rr < next_n
     rows = b * next_n + t0 + rr  # [ROWS]
+    topk.clear_counts(count_ptr, tl.where(live, rows, b * next_n), chunk, FINAL)  # rows past next_n: the first
     n_vis = tl.minimum(tl.maximum(tl.load(lens_ptr + rows * lens_stride, mask=live, other=0).to(tl.int64), 0),
                        vis_limit)  # [ROWS], topk.visible_pools of each row
     n_max = tl.max(n_vis)
@@ -139,12 +140,12 @@ def paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, *
     q8 = q_fp8.view(torch.uint8)
     rows_per_prog = query_rows(next_n)
 
-    def launch_leaves(cand, chunk, n_chunks, kb, final):
+    def launch_leaves(cand, count, chunk, n_chunks, kb, final):
         _paged_topk_kernel[(batch * triton.cdiv(next_n, rows_per_prog), n_chunks)](
             q8, q8.stride(0), q8.stride(1), q8.stride(2), weights, weights.stride(0), weights.stride(1),
             weights.stride(2), lens, lens.stride(0), page_table, page_table.stride(0), page_table.stride(1),
             kv_cache, kv_cache.view(torch.float32), kv_cache.stride(0), kv_cache.shape[0],
-            cand, out, out.stride(0), limit, next_n, select_k, n_chunks, halves_table(fp8_dtype, device),
+            cand, count, out, out.stride(0), limit, next_n, select_k, n_chunks, halves_table(fp8_dtype, device),
             PAGE=kv_cache.shape[1], BN=BLOCK_POOLS, NT=chunk // BLOCK_POOLS, KB=kb, H=heads, ROWS=rows_per_prog,
             PRESHUFFLE=layout == "preshuffle", FINAL=final, **decode_args(fp8_dtype, device),
             **launch_options(device),

@@ -170,11 +170,22 @@ def store_leaf(keys, cand_ptr, out_ptr, n_vis, select_k, CHUNK: tl.constexpr, KB
 
 
 @triton.jit
-def _chunk_topk_kernel(x_ptr, x_stride, lens_ptr, lens_stride, cand_ptr, out_ptr, out_stride, n_cols, select_k,
-                       n_chunks, CHUNK: tl.constexpr, KB: tl.constexpr, FINAL: tl.constexpr):
+def clear_counts(count_ptr, rows, chunk, FINAL: tl.constexpr):
+    """Zero the survivor counters ``count_ptr[rows]`` (int32; ``rows`` int64, scalar or vector)
+    from the programs of a row's first leaf, unless ``FINAL``: the leaf launch replaces a
+    memset before ``_survivors_kernel``."""
+    if not FINAL:
+        if chunk == 0:
+            tl.store(count_ptr + rows, tl.zeros_like(rows).to(tl.int32))
+
+
+@triton.jit
+def _chunk_topk_kernel(x_ptr, x_stride, lens_ptr, lens_stride, cand_ptr, count_ptr, out_ptr, out_stride, n_cols,
+                       select_k, n_chunks, CHUNK: tl.constexpr, KB: tl.constexpr, FINAL: tl.constexpr):
     # Program (row, chunk): the leaf of logits x[row, chunk*CHUNK : +CHUNK] (store_leaf).
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1).to(tl.int64)
+    clear_counts(count_ptr, row, chunk, FINAL)
     n_vis = visible_pools(lens_ptr, row * lens_stride, n_cols)
     if n_vis > select_k:
         j = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -394,20 +405,23 @@ def select_by_leaves(out, lens, n_cols, select_k, launch_leaves, granule: int = 
     """Each row's selection into ``out [rows, select_k]`` int32: leaves, then (several leaves
     per row) ``threshold_select``.
 
-    ``launch_leaves(cand, CHUNK, n_chunks, KB, FINAL)`` launches the leaf kernel on the grid
-    ``(rows, n_chunks)``; with ``FINAL`` (one leaf per row) ``cand`` is ``out`` and the
-    leaves write the ids, else ``cand [rows, n_chunks, list_size(CHUNK, KB)]`` int64 receives
-    their key lists. ``lens [rows]`` visible pools, clamped to ``n_cols``.
+    ``launch_leaves(cand, count, CHUNK, n_chunks, KB, FINAL)`` launches the leaf kernel on the
+    grid ``(rows, n_chunks)``; with ``FINAL`` (one leaf per row) ``cand`` and ``count`` are
+    ``out`` and the leaves write the ids, else ``cand [rows, n_chunks, list_size(CHUNK, KB)]``
+    int64 receives their key lists and the leaves zero ``count [rows]`` int32
+    (``clear_counts``). ``lens [rows]`` visible pools, clamped to ``n_cols``.
     """
     rows = out.shape[0]
     kb = key_block(select_k)
     chunk, n_chunks = plan_leaves(rows, n_cols, select_k, out.device, granule)
     final = n_chunks == 1
-    cand = out if final else torch.empty((rows, n_chunks, list_size(chunk, kb)), dtype=torch.int64,
-                                         device=out.device)
-    launch_leaves(cand, chunk, n_chunks, kb, final)
-    if not final:
-        threshold_select(cand, chunk, lens, n_cols, select_k, out)
+    if final:
+        launch_leaves(out, out, chunk, n_chunks, kb, final)
+        return
+    cand = torch.empty((rows, n_chunks, list_size(chunk, kb)), dtype=torch.int64, device=out.device)
+    count = torch.empty((rows,), dtype=torch.int32, device=out.device)
+    launch_leaves(cand, count, chunk, n_chunks, kb, final)
+    threshold_select(cand, count, chunk, lens, n_cols, select_k, out)
 
 
 def survivor_block(chunk: int, kb: int) -> tuple:
@@ -417,22 +431,21 @@ def survivor_block(chunk: int, kb: int) -> tuple:
     return kw, max(1, SURVIVOR_KEYS // kw)
 
 
-def survivors(cand, chunk, lens, n_cols, select_k) -> tuple:
+def survivors(cand, count, chunk, lens, n_cols, select_k):
     """``cand [rows, n_lists, list_size(chunk, KB)]`` (``store_leaf``'s int64 key lists of
-    leaves of ``chunk`` pools) -> ``(surv [rows, n_lists * KW] int64, count [rows] int32)``:
-    row ``r``'s keys at or above its bound (``_row_bound``) are ``surv[r, :count[r]]``, in no
-    particular order (rows with at most ``select_k`` visible pools: none)."""
+    leaves of ``chunk`` pools), ``count [rows]`` int32 zeros -> ``surv [rows, n_lists * KW]``
+    int64: row ``r``'s keys at or above its bound (``_row_bound``) are ``surv[r, :count[r]]``,
+    in no particular order (rows with at most ``select_k`` visible pools: none)."""
     rows, n_lists, _ = cand.shape
     kw, lg = survivor_block(chunk, key_block(select_k))
     if n_lists * kw >= MAX_SURVIVORS:
         raise ValueError(f"n_cols: {n_cols} pools per row keep {n_lists * kw} candidate keys, the selection "
                          f"handles fewer than {MAX_SURVIVORS}")
     surv = torch.empty((rows, n_lists * kw), dtype=torch.int64, device=cand.device)
-    count = torch.zeros((rows,), dtype=torch.int32, device=cand.device)
     _survivors_kernel[(rows, triton.cdiv(n_lists, lg))](
         cand, n_lists, lens, lens.stride(0), n_cols, surv, count, select_k, CHUNK=chunk, KW=kw, LG=lg,
         LB=triton.next_power_of_2(n_lists))
-    return surv, count
+    return surv
 
 
 def rank_limit(rows: int) -> int:
@@ -452,10 +465,10 @@ def rank_programs(rows: int, limit: int, device) -> int:
     return min(slices, 2)
 
 
-def threshold_select(cand, chunk, lens, n_cols, select_k, out) -> None:
-    """``cand`` as in ``survivors`` (``n_lists >= 2``) -> each row's selection in
+def threshold_select(cand, count, chunk, lens, n_cols, select_k, out) -> None:
+    """``cand``, ``count`` as in ``survivors`` (``n_lists >= 2``) -> each row's selection in
     ``out [rows, select_k]`` int32."""
-    surv, count = survivors(cand, chunk, lens, n_cols, select_k)
+    surv = survivors(cand, count, chunk, lens, n_cols, select_k)
     rows = out.shape[0]
     limit = rank_limit(rows)
     _threshold_select_kernel[(rows, rank_programs(rows, limit, out.device))](
@@ -495,9 +508,9 @@ def select_pools(logits, pool_lens, select_k):
     if rows == 0:
         return out
 
-    def launch_leaves(cand, chunk, n_chunks, kb, final):
+    def launch_leaves(cand, count, chunk, n_chunks, kb, final):
         _chunk_topk_kernel[(rows, n_chunks)](
-            logits, logits.stride(0), pool_lens, pool_lens.stride(0), cand, out, out.stride(0), n_cols, select_k,
+            logits, logits.stride(0), pool_lens, pool_lens.stride(0), cand, count, out, out.stride(0), n_cols, select_k,
             n_chunks, CHUNK=chunk, KB=kb, FINAL=final,
         )
 
