@@ -6,8 +6,9 @@
 For runs that re-measure only the ops whose kernels changed, or a full run that ran out of
 time before some ops (their records taken from an earlier run whose kernels are unchanged).
 The merged file keeps the full run's ``meta`` and copy bandwidth and records the other run's
-meta under ``meta["merged"]`` (ops, commit, date, copy bandwidth), so the README table can
-say which records come from which commit.
+meta under ``meta["merged"]`` (ops, commit, date, copy bandwidth; an earlier merge keeps only
+the ops this one does not replace), so the README table can say which records come from
+which commit.
 """
 
 import argparse
@@ -22,7 +23,8 @@ def merge(full: dict, part: dict, ops: set) -> dict:
     out = dict(full)
     out["results"] = [r for r in full["results"] if r["op"] not in ops] + [r for r in part["results"] if r["op"] in ops]
     meta = dict(full["meta"])
-    meta["merged"] = meta.get("merged", []) + [{
+    earlier = [dict(m, ops=[o for o in m["ops"] if o not in ops]) for m in meta.get("merged", [])]
+    meta["merged"] = [m for m in earlier if m["ops"]] + [{
         "ops": sorted(ops), "commit": part["meta"]["git"]["commit"], "date_utc": part["meta"]["date_utc"],
         "copy_gbps": part["copy_bandwidth"]["gbps"], "command": part["meta"]["command"]}]
     out["meta"] = meta

@@ -194,3 +194,8 @@ def test_merge_results_replaces_one_op_family(tmp_path):
     assert "commit `bbbbbbb` (2026-12-01), copy bandwidth 4100 GB/s." in rt.merged_note(out["meta"])
     with pytest.raises(SystemExit, match="decode"):
         mr.merge(full, part, {"decode"})
+    # merging again: the earlier merge's ops that are replaced leave its entry, the others stay
+    again = dict(part, meta=dict(part["meta"], git={"commit": "ccccccc"}))
+    twice = mr.merge(mr.merge(full, part, {"score", "compress"}), again, {"score"})
+    assert [(m["ops"], m["commit"]) for m in twice["meta"]["merged"]] == [(["compress"], "bbbbbbb"), (["score"], "ccccccc")]
+    assert [m["commit"] for m in mr.merge(out, again, {"score"})["meta"]["merged"]] == ["ccccccc"]

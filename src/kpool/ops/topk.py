@@ -37,8 +37,9 @@ Kernels:
    from the smallest survivor, which find the ``select_k``-th best; the keys at or above it
    (exactly ``select_k``) are compacted and sorted. Integer work only: exact and
    deterministic. H200, 1 x 128K: 41 us of bitonic merges became 4 + 20 us (5th session),
-   then 4 + ~13 us (12th: fewer, cheaper passes; one program's dependent steps, each
-   ~0.5-1.6 us). Rows whose keys all tie leave the bound loose: about 100 us there.
+   4 + ~13 us (12th: fewer, cheaper radix passes, one program's dependent steps of
+   ~0.5-1.6 us each), then 4 + 4.3 us ranked (13th). Rows whose keys all tie leave the
+   bound loose: about 100 us there.
 
 Rows with ``n <= select_k`` visible pools skip the loads and the sorting.
 """
