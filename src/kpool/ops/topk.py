@@ -62,7 +62,7 @@ SELECT_WARPS = 8  # warps of the per-row threshold-select program ...
 SELECT_BLOCK = 2048  # ... and keys per step of its passes (H200 sweep: 32 x 128K 19.9 -> 12.7 us vs 16 x 4096)
 RADIX_BITS = 6  # bits per radix pass of the threshold select, at most 8 (H200, 1 x 128K: 6 -> 38.3 us, 8 -> 40.5)
 RANK_COMPARES = 1 << 24  # compares one threshold select may spend ranking (rank_limit; H200: 1 x 128K, 2,367
-#                          survivors, 33.7 -> 25.7 us ranked; 32 x 128K, ~1,000 per row, 224 radix vs 233 ranked)
+#                          survivors: ~13 -> 4.3 us ranked; 32 x 128K, ~1,000 per row: 224 radix vs 233 ranked)
 RANK_SLICE, RANK_BLOCK = 8, 256  # survivors a ranking program ranks, and compares them with, per step ...
 RANK_PROGRAMS_PER_SM = 3  # ... and its programs per SM (rank_programs)
 SURVIVOR_KEYS = 2048  # keys per program of the survivor filter
