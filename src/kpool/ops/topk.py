@@ -94,6 +94,12 @@ def pool_keys(x, j, vis):
 
 
 @triton.jit
+def key_ids(keys):
+    """Pool ids of ranking keys (``pool_keys``' low 32 bits, inverted), int64."""
+    return 4294967295 - (keys & 4294967295)
+
+
+@triton.jit
 def visible_pools(lens_ptr, off, n_cols):
     """The row's visible pool count (``pool_lens`` at element offset ``off``) clamped to
     ``[0, n_cols]`` (int64 scalar)."""
@@ -105,7 +111,7 @@ def emit_selection(out_ptr, keys, n_vis, select_k, KB: tl.constexpr):
     """Write ``select_k`` int32 pool ids of one row at ``out_ptr`` from its ``KB`` best keys
     (sorted, descending), or ``0 .. n_vis-1`` when ``n_vis <= select_k``; -1 padding."""
     c = tl.arange(0, KB)
-    ids = tl.where(keys == NO_KEY, -1, 4294967295 - (keys & 4294967295))
+    ids = tl.where(keys == NO_KEY, -1, key_ids(keys))
     ids = tl.where(n_vis <= select_k, tl.where(c < n_vis, c, -1), ids)
     tl.store(out_ptr + c, ids.to(tl.int32), mask=c < select_k)
 
@@ -331,7 +337,7 @@ def _rank_write(base, cnt, out_row, select_k, SLICE: tl.constexpr, BLOCK: tl.con
             above += (other[None, :] > mine[:, None]).to(tl.int32)
             other = nxt
         rank = tl.sum(above, axis=1)
-        tl.store(out_row + rank, (4294967295 - (mine & 4294967295)).to(tl.int32), mask=(i < cnt) & (rank < select_k))
+        tl.store(out_row + rank, key_ids(mine).to(tl.int32), mask=(i < cnt) & (rank < select_k))
 
 
 @triton.jit
@@ -380,15 +386,21 @@ def key_block(select_k: int) -> int:
     return max(triton.next_power_of_2(select_k), MIN_KB)
 
 
+def _sm_count(device) -> int:
+    """SMs of a GPU the kernels run on natively; 0 off the GPU (CPU, interpreter), where the
+    grids are chosen to exercise the multi-program paths instead."""
+    if device.type == "cuda" and not interpreting():
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 0
+
+
 def plan_leaves(rows: int, n_cols: int, select_k: int, device, granule: int = 1):
     """``(CHUNK, n_chunks)`` for the leaves of ``rows`` rows of ``n_cols`` pools (at least one
     leaf): the largest power of two from ``max(KB, LEAF_BASE)`` down to
     ``max(MIN_CHUNK, granule)`` whose grid still fills the GPU (the smallest off the GPU, so
     that the CPU lanes exercise the threshold selection)."""
-    if device.type == "cuda" and not interpreting():
-        want = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        want = 1 << 62
+    sms = _sm_count(device)
+    want = PROGRAMS_PER_SM * sms if sms else 1 << 62
     n_cols = max(n_cols, 1)
     floor = max(MIN_CHUNK, granule)
     chunk = max(key_block(select_k), LEAF_BASE, floor)
@@ -460,10 +472,8 @@ def rank_programs(rows: int, limit: int, device) -> int:
     to fill the GPU with ``RANK_PROGRAMS_PER_SM`` per SM, at most one per slice of ``limit``
     survivors (two off the GPU, so that the CPU lanes exercise the striding)."""
     slices = max(1, triton.cdiv(limit, RANK_SLICE))
-    if device.type == "cuda" and not interpreting():
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return min(slices, max(1, triton.cdiv(RANK_PROGRAMS_PER_SM * sms, rows)))
-    return min(slices, 2)
+    sms = _sm_count(device)
+    return min(slices, max(1, triton.cdiv(RANK_PROGRAMS_PER_SM * sms, rows)) if sms else 2)
 
 
 def threshold_select(cand, count, chunk, lens, n_cols, select_k, out) -> None:
