@@ -181,6 +181,12 @@ def test_dot_exact_at_accumulator_bounds(backend, device, fp8_dtype):
     q[3, 3, 9], k[3, 9] = step / 2 ** 9, step
     q[4, 4], k[4] = full * 0 + 0.5 * step, full * 0 + 0.5 * step  # lo.lo: (h / 2)^2 * 128
     q[4, 4, 9] = k[4, 9] = step / 2 ** 9
+    # ties at the top of the range (fp32 ulp 2 h^2 there): 127 m^2 + h^2 rounds to even (down),
+    # 127 m^2 + 3 h^2 up to even, 126 m^2 + h^2 + u^2 (in lo.lo) up: one rounding of the whole sum
+    for t, extra in ((5, 1), (6, 3), (7, 1)):
+        q[t, t], k[t] = full, full
+        q[t, t, 127], k[t, 127] = step, step * extra
+    q[7, 7, 126] = k[7, 126] = step / 2 ** 9
     q, k = q.to(fp8_dtype), k.to(fp8_dtype)
     w = torch.eye(heads)
     ks = torch.zeros(heads, dtype=torch.int32)
@@ -190,6 +196,8 @@ def test_dot_exact_at_accumulator_bounds(backend, device, fp8_dtype):
     want = exact_scores(q, k, torch.ones(n_keys), w[:, :, None].expand(heads, heads, 1)[..., 0])
     assert_same_f32(out, want, "exact dots at the accumulator bounds")
     assert float(want[0, 0]) == m * m * 128 and float(want[4, 4]) > 0 and float(want[2, 2]) > 0
+    top = m * m * 127  # a multiple of 4 h^2 in [2^24, 2^25) h^2, ulp 2 h^2: the constructed ties
+    assert [float(want[t, t]) for t in (5, 6, 7)] == [top, top + 4 * step ** 2, top - m * m + 2 * step ** 2]
     assert int((want > 0).sum()) > heads * n_keys // 4, "random dots: too few positive (relu hides the rest)"
 
 

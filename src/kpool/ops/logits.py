@@ -19,9 +19,11 @@ interpreter and on every GPU; kernels are launched with ``enable_fp_fusion=False
    has one, else a 256-entry table per format); the four half products are fp16 MMAs whose
    fp32 accumulators hold integer multiples of their unit below ``2^24`` of it at every
    step, i.e. exact whatever the MMA unit's summation order or internal rounding
-   (``_exact_dot``: bounds, five accumulators), summed in fp64 (exact) and rounded once to
-   fp32. The torch reference uses an fp64 matmul on the integers, exact in any summation
-   order since every partial sum is an integer below ``2^53``.
+   (``_exact_dot``: bounds, five accumulators), then summed exactly as two fp32 values (the
+   accumulators split on a grid, ``_on_grid``) whose fp32 sum is the one rounding. No fp64
+   arithmetic: GPUs whose fp64 units are slow pay nothing for it. The torch reference uses
+   an fp64 matmul on the integers, exact in any summation order since every partial sum is
+   an integer below ``2^53``.
 2. In fp32: ``s = dot * kscale[j]``; ``r = 0 if s < 0 else s`` (NaN kept);
    ``t[h] = w[h] * r``; the heads are summed as a fixed pairwise tree (H a power of two):
    ``((t0 + t1) + (t2 + t3)) + ((t4 + t5) + (t6 + t7)) + ...``.
@@ -33,7 +35,7 @@ pools); ragged: one per (query, ``RAGGED_TILES`` tiles of ``RAGGED_TILE`` pools)
 halves built once per program); the decode path of ``KPoolCache`` uses ``ops/score.py``'s
 fused ``paged_pool_topk`` instead, built from the same ``paged_tile`` / ``paged_tile_logits``.
 The exact formulation costs four fp16 MMAs per fp8 product (two operands per side), a
-decode per key code and five fp32 -> fp64 conversions per logit, so scoring is bound by the
+decode per key code and 20 fp32 additions per logit (the grid split), so scoring is bound by the
 SM's instruction issue and latency, not by HBM (benchmarks/NOTES.md).
 """
 
@@ -56,8 +58,20 @@ SUPPORTED_HEADS = (16, 32, 64)
 CODE_DTYPES = FP8_DTYPES + (torch.uint8,)
 
 
+_GRID_FN = tl.constexpr(1.5 * 2.0**25)  # 1.5 * 2^43 u^2 (u = 2^-9): fp32 ulp 2^20 u^2 in [2^43, 2^44) u^2
+_GRID_FNUZ = tl.constexpr(1.5 * 2.0**23)  # the same for u = 2^-10
+
+
 @triton.jit
-def _exact_dot(k, q):
+def _on_grid(x, SIGMA: tl.constexpr):
+    """``x -> (p, x - p)``, ``p`` = ``x`` rounded to the multiples of ``ulp(SIGMA)`` (exact for
+    ``|x| < SIGMA / 3``: ``SIGMA + x`` stays in ``SIGMA``'s binade)."""
+    p = (x + SIGMA) - SIGMA
+    return p, x - p
+
+
+@triton.jit
+def _exact_dot(k, q, FNUZ: tl.constexpr):
     """Exact ``K @ Q`` from fp16 halves (``_jit_fp8.fp8_halves``) -> fp32 ``[M, N]``, rounded
     once (to nearest even; an exact zero is +0).
 
@@ -66,17 +80,23 @@ def _exact_dot(k, q):
     every partial sum an integer multiple below ``2^24`` of its unit (exact in any order):
     ``hi.hi`` (unit ``h^2``, ``|hi / h| <= 480``: ``480^2 * 64 < 2^24``, so one accumulator
     per 64 dims), ``hi.lo`` and ``lo.hi`` (unit ``h u``, ``|lo / u| <= 256``:
-    ``480 * 256 * 128 < 2^24``), ``lo.lo`` (unit ``u^2``: ``256^2 * 128 < 2^24``). The five
-    accumulators are summed in fp64 (exact: every term is a multiple of ``u^2`` below
-    ``2^26``, 44 bits) and rounded once to fp32.
+    ``480 * 256 * 128 < 2^24``), ``lo.lo`` (unit ``u^2``: ``256^2 * 128 < 2^24``). Their exact
+    sum ``S`` (a multiple of ``u^2`` below ``2^44`` of it) is rounded once without wider
+    arithmetic: the four larger accumulators are split on the grid ``G = 2^20 u^2``
+    (``_on_grid``), so that ``S = hi + lo`` with ``hi`` the sum of the grid parts (multiples of
+    ``G`` below ``2^44 u^2``: exact) and ``lo`` that of the remainders (``|r| <= G / 2``) and
+    ``lo.lo`` (multiples of ``u^2`` below ``2^24`` of it: exact); ``hi + lo`` in fp32 is ``S``
+    rounded to nearest even.
     """
     a_hi, a_lo, b_hi, b_lo = k
     qa_hi, qa_lo, qb_hi, qb_lo = q
-    hh = tl.dot(a_hi, qa_hi).to(tl.float64) + tl.dot(b_hi, qb_hi).to(tl.float64)
-    hl = tl.dot(a_hi, qa_lo, tl.dot(b_hi, qb_lo)).to(tl.float64)
-    lh = tl.dot(a_lo, qa_hi, tl.dot(b_lo, qb_hi)).to(tl.float64)
-    ll = tl.dot(a_lo, qa_lo, tl.dot(b_lo, qb_lo)).to(tl.float64)
-    dot = (((hh + hl) + lh) + ll).to(tl.float32)
+    SIGMA: tl.constexpr = _GRID_FNUZ if FNUZ else _GRID_FN
+    p1, r1 = _on_grid(tl.dot(a_hi, qa_hi), SIGMA)
+    p2, r2 = _on_grid(tl.dot(b_hi, qb_hi), SIGMA)
+    p3, r3 = _on_grid(tl.dot(a_hi, qa_lo, tl.dot(b_hi, qb_lo)), SIGMA)
+    p4, r4 = _on_grid(tl.dot(a_lo, qa_hi, tl.dot(b_lo, qb_hi)), SIGMA)
+    ll = tl.dot(a_lo, qa_lo, tl.dot(b_lo, qb_lo))
+    dot = ((p1 + p2) + (p3 + p4)) + (((r1 + r2) + (r3 + r4)) + ll)
     return tl.where(dot == 0, 0.0, dot)
 
 
@@ -136,7 +156,7 @@ def block_logits(q, q_nan, w, codes, kscale, lut_ptr, BN: tl.constexpr, H: tl.co
     ``R`` rows and the query halves are the loop-invariant operand.
     """
     k, k_nan = fp8_split(codes[0], codes[1], lut_ptr, 1, FNUZ, NATIVE_FP8)  # [BN, 64] halves, [BN]
-    dot = _exact_dot(k, q)  # [BN, R * H], one rounding
+    dot = _exact_dot(k, q, FNUZ)  # [BN, R * H], one rounding
     nan = k_nan[:, None] | q_nan[None, :]
     s = tl.where(nan, float("nan"), dot) * kscale[:, None]
     r = tl.where(s < 0, 0.0, s)
