@@ -60,7 +60,6 @@ CODE_DTYPES = FP8_DTYPES + (torch.uint8,)
 
 _GRID_FN = tl.constexpr(1.5 * 2.0**25)  # 1.5 * 2^43 u^2 (u = 2^-9): fp32 ulp 2^20 u^2 in [2^43, 2^44) u^2
 _GRID_FNUZ = tl.constexpr(1.5 * 2.0**23)  # the same for u = 2^-10
-_MMA_COLS = tl.constexpr(128)  # most columns of one exact-dot MMA (its accumulator: 64 registers at BN = 64)
 
 
 @triton.jit
@@ -72,72 +71,39 @@ def _on_grid(x, SIGMA: tl.constexpr):
 
 
 @triton.jit
-def _grid_parts(k, q, BN: tl.constexpr, NP: tl.constexpr, N: tl.constexpr, SIGMA: tl.constexpr):
-    """``k [BN, 128] @ q [128, NP * N]`` (``NP`` blocks of ``N`` columns, each an exact partial
-    dot) -> ``(hi, lo)`` ``[BN, N]``: the blocks' grid parts and remainders (``_on_grid``),
-    each summed over the blocks (exact in any order: ``_exact_dot``)."""
-    p, r = _on_grid(tl.dot(k, q), SIGMA)
-    return tl.sum(tl.reshape(p, (BN, NP, N)), axis=1), tl.sum(tl.reshape(r, (BN, NP, N)), axis=1)
-
-
-@triton.jit
-def _exact_dot(k, q, BN: tl.constexpr, N: tl.constexpr, FNUZ: tl.constexpr):
-    """Exact ``K @ Q`` from fp16 halves (``_jit_fp8.fp8_halves``) -> fp32 ``[BN, N]``, rounded
+def _exact_dot(k, q, FNUZ: tl.constexpr):
+    """Exact ``K @ Q`` from fp16 halves (``_jit_fp8.fp8_halves``) -> fp32 ``[M, N]``, rounded
     once (to nearest even; an exact zero is +0).
 
-    The dot is six partial dots, each an fp16 MMA product whose fp32 accumulator holds integer
-    multiples below ``2^24`` of its unit at every step (exact in any order): ``hi.hi`` over
-    dims 0-63 and over 64-127 (unit ``h^2``, ``|hi / h| <= 480``: ``480^2 * 64 < 2^24``),
-    ``hi_k.lo_q`` over the same halves and ``lo_k.hi_q`` over all dims (unit ``h u``,
-    ``|lo / u| <= 256``: ``480 * 256 * 128 < 2^24``), ``lo.lo`` (unit ``u^2``:
-    ``256^2 * 128 < 2^24``). Their exact sum ``S`` (a multiple of ``u^2`` below ``2^44`` of it)
-    is rounded once without wider arithmetic: the partial dots are split on the grid
-    ``G = 2^20 u^2`` (``_on_grid``; ``lo.lo`` need not be), so that ``S = hi + lo`` with ``hi`` the sum of the grid
-    parts (multiples of ``G`` below ``2^44 u^2``: exact) and ``lo`` that of the remainders
-    (``|r| <= G / 2``, multiples of ``u^2``: exact); ``hi + lo`` in fp32 is ``S`` rounded to
-    nearest even.
-
-    Operands (``query_halves``, ``block_logits``): when ``4 N <= _MMA_COLS``, ``k = (k_hi,
-    k_lo)`` ``[BN, 128]`` with the dims interleaved (column ``2d + s`` is dim ``d + 64 s``) and
-    ``q`` two blocks of partial dots side by side, so the six are 2 MMAs, each waited on once
-    (a partial dot over half the dims has the other half's query rows zeroed). Otherwise
-    ``k = (a_hi, a_lo, b_hi, b_lo)`` ``[BN, 64]`` (dims 0-63 = ``a``, 64-127 = ``b``) and ``q``
-    the same ``[64, N]``: 8 MMAs of 64 dims with smaller accumulators (wider blocks spill).
+    ``k = (a_hi, a_lo, b_hi, b_lo)``, ``[M, 64]`` each (dims 0-63 = ``a``, 64-127 = ``b``);
+    ``q`` the same, ``[64, N]`` each. Four half products in fp16 MMAs with fp32 accumulators,
+    every partial sum an integer multiple below ``2^24`` of its unit (exact in any order):
+    ``hi.hi`` (unit ``h^2``, ``|hi / h| <= 480``: ``480^2 * 64 < 2^24``, so one accumulator
+    per 64 dims), ``hi.lo`` and ``lo.hi`` (unit ``h u``, ``|lo / u| <= 256``:
+    ``480 * 256 * 128 < 2^24``), ``lo.lo`` (unit ``u^2``: ``256^2 * 128 < 2^24``). Their exact
+    sum ``S`` (a multiple of ``u^2`` below ``2^44`` of it) is rounded once without wider
+    arithmetic: the four larger accumulators are split on the grid ``G = 2^20 u^2``
+    (``_on_grid``), so that ``S = hi + lo`` with ``hi`` the sum of the grid parts (multiples of
+    ``G`` below ``2^44 u^2``: exact) and ``lo`` that of the remainders (``|r| <= G / 2``) and
+    ``lo.lo`` (multiples of ``u^2`` below ``2^24`` of it: exact); ``hi + lo`` in fp32 is ``S``
+    rounded to nearest even.
     """
+    a_hi, a_lo, b_hi, b_lo = k
+    qa_hi, qa_lo, qb_hi, qb_lo = q
     SIGMA: tl.constexpr = _GRID_FNUZ if FNUZ else _GRID_FN
-    if 4 * N <= _MMA_COLS:
-        k_hi, k_lo = k
-        h1, l1 = _grid_parts(k_hi, q[0], BN, 4, N, SIGMA)
-        h2, l2 = _grid_parts(k_lo, q[1], BN, 2, N, SIGMA)
-        dot = (h1 + h2) + (l1 + l2)
-    else:
-        a_hi, a_lo, b_hi, b_lo = k
-        qa_hi, qa_lo, qb_hi, qb_lo = q
-        p1, r1 = _on_grid(tl.dot(a_hi, qa_hi), SIGMA)
-        p2, r2 = _on_grid(tl.dot(b_hi, qb_hi), SIGMA)
-        p3, r3 = _on_grid(tl.dot(a_hi, qa_lo, tl.dot(b_hi, qb_lo)), SIGMA)
-        p4, r4 = _on_grid(tl.dot(a_lo, qa_hi, tl.dot(b_lo, qb_hi)), SIGMA)
-        ll = tl.dot(a_lo, qa_lo, tl.dot(b_lo, qb_lo))  # below 2^24 u^2: a remainder as it is
-        dot = ((p1 + p2) + (p3 + p4)) + (((r1 + r2) + (r3 + r4)) + ll)
+    p1, r1 = _on_grid(tl.dot(a_hi, qa_hi), SIGMA)
+    p2, r2 = _on_grid(tl.dot(b_hi, qb_hi), SIGMA)
+    p3, r3 = _on_grid(tl.dot(a_hi, qa_lo, tl.dot(b_hi, qb_lo)), SIGMA)
+    p4, r4 = _on_grid(tl.dot(a_lo, qa_hi, tl.dot(b_lo, qb_hi)), SIGMA)
+    ll = tl.dot(a_lo, qa_lo, tl.dot(b_lo, qb_lo))
+    dot = ((p1 + p2) + (p3 + p4)) + (((r1 + r2) + (r3 + r4)) + ll)
     return tl.where(dot == 0, 0.0, dot)
 
 
 @triton.jit
-def _join_rows(a, b, R: tl.constexpr, C: tl.constexpr):
-    """``[R, C]`` x 2 -> ``[2R, C]``, row ``2i + s`` = row ``i`` of ``(a, b)[s]``."""
-    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (2 * R, C))
-
-
-@triton.jit
-def _join_cols(a, b, R: tl.constexpr, C: tl.constexpr):
-    """``[R, C]`` x 2 -> ``[R, 2C]`` = ``[a | b]``."""
-    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (R, 2 * C))
-
-
-@triton.jit
 def fp8_split(codes_a, codes_b, lut_ptr, AXIS: tl.constexpr, FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
-    """Codes of dims 0-63 and 64-127 (uint8, same shape, the dims along ``AXIS``) -> their fp16
-    halves ``(a_hi, a_lo, b_hi, b_lo)`` and a NaN flag reduced over ``AXIS``."""
+    """Codes of dims 0-63 and 64-127 (uint8, same shape, the dims along ``AXIS``) -> the
+    halves ``(a_hi, a_lo, b_hi, b_lo)`` of ``_exact_dot`` and a NaN flag reduced over ``AXIS``."""
     a_hi, a_lo, a_nan = _jit_fp8.fp8_halves(codes_a, lut_ptr, FNUZ, NATIVE_FP8)
     b_hi, b_lo, b_nan = _jit_fp8.fp8_halves(codes_b, lut_ptr, FNUZ, NATIVE_FP8)
     nan = tl.max((a_nan | b_nan).to(tl.int32), axis=AXIS) > 0
@@ -168,28 +134,13 @@ def _head_tree(t, BN: tl.constexpr, H: tl.constexpr):
 @triton.jit
 def query_halves(q_ptrs, mask, lut_ptr, FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
     """Query codes at ``q_ptrs [64, N]`` (dims 0-63, dim-major; dims 64-127 at ``+ 64``; N =
-    heads of one or more query rows, code 0 where not ``mask``) -> the ``_exact_dot`` query
-    operand and a NaN flag ``[N]``. With ``4 N <= _MMA_COLS`` the operand is two fp16 blocks
-    (dims interleaved, ``_join_rows``): ``[128, 4N]`` = ``hi`` with dims 64-127 zeroed | ``hi``
-    with dims 0-63 zeroed | ``lo`` likewise (against the keys' ``hi``), ``[128, 2N]`` = ``hi``
-    | ``lo`` (against the keys' ``lo``); otherwise the halves ``(a_hi, a_lo, b_hi, b_lo)``
-    ``[64, N]``."""
+    heads of one or more query rows, code 0 where not ``mask``) -> the ``_exact_dot`` halves
+    (``[64, N]`` each) and a NaN flag ``[N]``."""
     if mask is None:
         codes_a, codes_b = tl.load(q_ptrs), tl.load(q_ptrs + 64)
     else:
         codes_a, codes_b = tl.load(q_ptrs, mask=mask, other=0), tl.load(q_ptrs + 64, mask=mask, other=0)
-    halves, nan = fp8_split(codes_a, codes_b, lut_ptr, 0, FNUZ, NATIVE_FP8)
-    a_hi, a_lo, b_hi, b_lo = halves
-    N: tl.constexpr = a_hi.shape[1]
-    if 4 * N <= _MMA_COLS:
-        z = tl.zeros_like(a_hi)
-        hi_a, hi_b = _join_rows(a_hi, z, 64, N), _join_rows(z, b_hi, 64, N)
-        lo_a, lo_b = _join_rows(a_lo, z, 64, N), _join_rows(z, b_lo, 64, N)
-        q = (_join_cols(_join_cols(hi_a, hi_b, 128, N), _join_cols(lo_a, lo_b, 128, N), 128, 2 * N),
-             _join_cols(_join_rows(a_hi, b_hi, 64, N), _join_rows(a_lo, b_lo, 64, N), 128, N))
-    else:
-        q = halves
-    return q, nan
+    return fp8_split(codes_a, codes_b, lut_ptr, 0, FNUZ, NATIVE_FP8)
 
 
 @triton.jit
@@ -197,20 +148,15 @@ def block_logits(q, q_nan, w, codes, kscale, lut_ptr, BN: tl.constexpr, H: tl.co
                  R: tl.constexpr, FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
     """Pooled logits of ``BN`` pools for ``R`` query rows -> fp32 ``[BN, R]`` (module docstring).
 
-    ``q``, ``q_nan``: ``query_halves`` of the rows side by side (``N = R * H`` columns,
+    ``q``, ``q_nan``: ``query_halves`` of the rows side by side (``[64, R * H]`` each,
     row-major over (row, head)); ``w [R * H]`` head weights; ``codes``: the pools' uint8 key
     codes of dims 0-63 and 64-127 (``[BN, 64]`` each); ``kscale [BN]`` fp32; ``lut_ptr``,
     ``FNUZ``, ``NATIVE_FP8``: the decoder (``_jit_fp8.fp8_halves``). The pools are the MMA's
     rows (M = BN) and the rows' heads its columns, so the key tile is decoded once for all
     ``R`` rows and the query halves are the loop-invariant operand.
     """
-    halves, k_nan = fp8_split(codes[0], codes[1], lut_ptr, 1, FNUZ, NATIVE_FP8)  # [BN, 64] each, [BN]
-    if 4 * R * H <= _MMA_COLS:  # the dims interleaved, 2d + s
-        a_hi, a_lo, b_hi, b_lo = halves
-        k = (tl.reshape(tl.join(a_hi, b_hi), (BN, 128)), tl.reshape(tl.join(a_lo, b_lo), (BN, 128)))
-    else:
-        k = halves
-    dot = _exact_dot(k, q, BN, R * H, FNUZ)  # [BN, R * H], one rounding
+    k, k_nan = fp8_split(codes[0], codes[1], lut_ptr, 1, FNUZ, NATIVE_FP8)  # [BN, 64] halves, [BN]
+    dot = _exact_dot(k, q, FNUZ)  # [BN, R * H], one rounding
     nan = k_nan[:, None] | q_nan[None, :]
     s = tl.where(nan, float("nan"), dot) * kscale[:, None]
     r = tl.where(s < 0, 0.0, s)
