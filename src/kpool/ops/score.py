@@ -28,6 +28,7 @@ from .logits import check_paged_args, decode_args, paged_tile, paged_tile_logits
 BLOCK_POOLS = 64  # pools per scoring tile: the MMA's M (one wgmma warpgroup on Hopper)
 NUM_WARPS = 4
 MAX_REGS = 168  # CUDA register cap: 3 programs per SM instead of 2 (H200: 32 x 128K -10%, 128 x 1M -11%)
+PIPELINE_STAGES = tl.constexpr(2)  # tiles in flight in the leaf loop (tl.range's software pipelining)
 MAX_ROWS = 2  # query rows of one request per program (H200, verify 32 x 128K x 4 / prefill 8192 x 32K:
 #               1 row 1,092 us / 69.2 ms, 2 rows 866 / 54.9; 4 rows 1,225 / 69.0, 960 / 57.6 uncapped: spills)
 
@@ -66,18 +67,16 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
         j0 = chunk * NT * BN  # first pool of the tile
         j = j0 + tl.arange(0, BN)
         n_leaf = tl.minimum(n_max, (chunk + 1) * NT * BN)  # the leaf's last pool any row sees + 1
-        codes, kscale, ok = paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_row, pt_sp, j0, n_leaf, PAGE,
-                                       BN, PRESHUFFLE)
-        for i in range(NT):
-            # tile i + 1's entries are loaded before tile i is scored
-            nxt = paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_row, pt_sp, j0 + BN, n_leaf,
-                             PAGE, BN, PRESHUFFLE)
+        for i in tl.range(NT, num_stages=PIPELINE_STAGES):
+            # Triton's pipeliner loads later tiles' entries (cp.async into shared memory) while
+            # this one is scored; the key codes reach the MMA operand's layout as bytes
+            codes, kscale, ok = paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_row, pt_sp, j0, n_leaf,
+                                           PAGE, BN, PRESHUFFLE)
             if (chunk * NT + i) * BN < n_max:
                 seen = j[:, None] < n_vis[None, :]  # [BN, ROWS]
                 x = paged_tile_logits(q, q_nan, w, codes, kscale, ok, seen, lut_ptr, BN, H, ROWS, FNUZ,
                                       NATIVE_FP8)
                 keys = tl.where(tiles[:, None, None] == i, topk.pool_keys(x, j[:, None], seen)[None, :, :], keys)
-            codes, kscale, ok = nxt
             j0 += BN
             j += BN
         for r in tl.static_range(ROWS):
