@@ -70,6 +70,30 @@ FP8_KERNELS = ("_compress_kernel", "_prefill_kernel", "_decode_update_kernel", "
 FP8_MODULES = ["kpool.ops.compress", "kpool.ops.prefill", "kpool.ops.decode", "kpool.ops.quant", "kpool.ops.logits",
                "kpool.ops.score"]
 
+# the decode scoring chain, launched with programmatic dependent launch (kpool.ops._pdl)
+PDL_KERNELS = ("_fwht_quant_kernel", "_visible_counts_kernel", "_paged_topk_kernel", "_survivors_kernel",
+               "_threshold_select_kernel", "_expand_pools_kernel")
+
+# a kernel launched with PDL that skips the wait (MODE 1) against one that waits (MODE 0)
+PDL_FAKE = """
+import triton
+import triton.language as tl
+
+from kpool.aot import KernelSpec, axis
+from kpool.ops import _pdl
+
+
+@triton.jit
+def _pdl_kernel(x_ptr, n, MODE: tl.constexpr, PDL: tl.constexpr):
+    if MODE == 0:
+        _pdl.grid_dependency_sync(PDL)
+    i = tl.arange(0, 128)
+    tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + 1, mask=i < n)
+
+
+AOT_SPECS = {"_pdl_kernel": KernelSpec(ptrs=dict(x_ptr="fp32"), cross=(axis("MODE", (0, 1)),))}
+"""
+
 
 def _fake_module(tmp_path, monkeypatch, name, source):
     (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
@@ -204,6 +228,35 @@ def test_register_caps_apply_to_cuda_only(monkeypatch):
         assert prefill.launch_options("cpu", 16).get("maxnreg") == (prefill.MAX_REGS[16] if capped else None)
         assert "maxnreg" not in prefill.launch_options("cpu", 4)
 
+
+def test_pdl_launch_on_cuda_sm90_and_later_only(monkeypatch):
+    """``_backend.pdl_launch``: ``PDL`` and ``launch_pdl`` on CUDA sm_90+ unless ``KPOOL_PDL=0``;
+    ``PDL=False`` and no ``launch_pdl`` (an option other backends reject) elsewhere."""
+    from kpool import _backend
+    on = {"PDL": True, "launch_pdl": True}
+    for target, want in ((("cuda", 90), on), (("cuda", 100), on), (("cuda", 80), {"PDL": False}),
+                         (("hip", "gfx942"), {"PDL": False}), (("interpreter", None), {"PDL": False})):
+        monkeypatch.setattr(_backend, "device_target", lambda device, t=target: t)
+        monkeypatch.delenv(_backend.PDL_ENV, raising=False)
+        assert _backend.pdl_launch("cpu") == want, target
+        monkeypatch.setenv(_backend.PDL_ENV, "0")
+        assert _backend.pdl_launch("cpu") == {"PDL": False}, target
+
+
+def test_pdl_follows_the_target_and_a_kernel_must_wait(tmp_path, monkeypatch):
+    """The scoring chain's kernels take ``PDL`` and compile with it set exactly on the targets
+    ``has_pdl`` names; on sm_90 a kernel whose PTX does not wait on the previous grid while
+    ``PDL`` is set fails the matrix, and on sm_80 (``PDL`` unset) both forms compile."""
+    from kpool._backend import has_pdl
+    pdl = {(j.kernel, j.target, j.constexprs["PDL"]) for j in aot.build_jobs(kernels=list(PDL_KERNELS))}
+    assert pdl == {(k, t, has_pdl(*aot.TARGETS[t][:2])) for k in PDL_KERNELS for t in aot.TARGETS}
+    with_flag = {j.kernel for j in aot.build_jobs(targets=["sm_90"]) if "PDL" in j.constexprs}
+    assert with_flag == set(PDL_KERNELS)
+    mod = _fake_module(tmp_path, monkeypatch, "kpool_aot_pdl", PDL_FAKE)
+    results = {(r.target, r.label.split("MODE=")[1][0]): r
+               for r in aot.compile_matrix(["sm_80", "sm_90"], progress=False, modules=[mod.__name__])}
+    assert results["sm_90", "0"].ok and results["sm_80", "0"].ok and results["sm_80", "1"].ok
+    assert not results["sm_90", "1"].ok and "griddepcontrol.wait" in results["sm_90", "1"].error
 
 def test_every_kernel_compiles_for_every_target(capsys):
     results = aot.compile_matrix(progress=True)

@@ -35,6 +35,7 @@ FP8_CONVERSION = 1  # NATIVE_FP8 modes (module docstring)
 FP8_SATFINITE = 2
 FP8_ENCODERS = ("auto", "software", "native")
 FP8_ENCODER_ENV = "KPOOL_FP8_ENCODER"
+PDL_ENV = "KPOOL_PDL"
 
 
 def interpreting() -> bool:
@@ -136,6 +137,22 @@ def register_cap(device, regs) -> dict:
     if regs is None or device_target(device)[0] != "cuda":
         return {}
     return {"maxnreg": regs}
+
+
+def has_pdl(backend: str, arch) -> bool:
+    """Whether a target has programmatic dependent launch (PDL): CUDA sm_90 and later."""
+    return backend == "cuda" and arch >= 90
+
+
+def pdl_launch(device) -> dict:
+    """Launch arguments of the kernels that take part in programmatic dependent launch:
+    ``PDL=True`` (the kernel's first statement waits for the previous kernel in the stream,
+    ``ops._pdl.grid_dependency_sync``) and Triton's ``launch_pdl`` option (the kernel may be
+    launched while the previous one runs) where the device has PDL (``has_pdl``) and
+    ``KPOOL_PDL`` is not ``0``; else ``{"PDL": False}`` (ROCm, sm_80, the interpreter)."""
+    if os.environ.get(PDL_ENV, "1").strip() == "0" or not has_pdl(*device_target(device)):
+        return {"PDL": False}
+    return {"PDL": True, "launch_pdl": True}
 
 
 @functools.lru_cache(maxsize=None)

@@ -40,6 +40,11 @@ a non-zero ``NATIVE_FP8`` (the native conversion); any other job with fp8 types 
 rely on a conversion sm_80, or CUDA for e4m3fnuz, lacks), and so does a job with a non-zero ``NATIVE_FP8``
 but without them (the flag would not reach the encoder or decoder). The summary lists, per target,
 the kernels that use a native conversion and for which format.
+
+PDL: a kernel with a ``PDL`` constexpr (programmatic dependent launch, ``ops._pdl``) is
+compiled with it set as ``_backend.pdl_launch`` sets it on the target (CUDA sm_90+); on CUDA
+targets a job fails unless its PTX waits on the previous grid (``griddepcontrol.wait``)
+exactly when ``PDL`` is set.
 * Tiers: ``full`` multiplies every ``cross`` axis (the product the launchers can reach);
   ``ci`` (default) multiplies the first ``ci_cross`` of them and spreads the others like
   ``cycle`` axes (CI runs on two CPU cores).
@@ -605,6 +610,10 @@ def _jobs_for(name, mod, fn, spec, targets, tier):
                 more = more_params(spec.target_derive, (case, target), case, f"{label} for {target}", "target_derive")
                 t_case = {**case, **more}
                 t_label = case_label(t_case, hints)
+            if "PDL" in names:  # as _backend.pdl_launch on the target
+                from ._backend import has_pdl
+                t_case = {**t_case, "PDL": has_pdl(*TARGETS[target][:2])}
+                t_label = case_label(t_case, hints)
             signature, constexprs = _signature(name, params, spec, t_case)
             jobs.append(AotJob(name, mod.__name__, target, signature, constexprs, hints, options, t_label))
     return jobs
@@ -710,6 +719,10 @@ def compile_job(job: AotJob, fn=None) -> AotResult:
                          "or take the encoder from _backend.native_fp8")
         elif native and not res.native_fp8:
             res.error = "NATIVE_FP8 set but no fp8 type in the TTIR: the flag does not reach the fp8 conversion"
+        elif backend == "cuda" and ("griddepcontrol.wait" in compiled.asm.get("ptx", "")) != bool(
+                job.constexprs.get("PDL")):
+            res.error = ("griddepcontrol.wait in the PTX exactly when PDL is set: a kernel launched with "
+                         "launch_pdl must wait first (ops._pdl.grid_dependency_sync(PDL))")
         elif res.shared > smem:
             res.error = f"needs {res.shared} bytes of shared memory, {job.target} has {smem}"
         else:

@@ -13,10 +13,10 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .._backend import backend_for, native_fp8
+from .._backend import backend_for, native_fp8, pdl_launch
 from .._checks import check_tensor
 from ..layout import HEAD_DIM, fp8_max, resolve_fp8_dtype
-from . import _jit
+from . import _jit, _pdl
 
 BLOCK_ROWS = 16
 
@@ -25,7 +25,8 @@ BLOCK_ROWS = 16
 def _fwht_quant_kernel(q_ptr, q_row_stride, codes_ptr, scale_ptr, n_rows,
                        w_ptr, w_s0, w_s1, heads, w_out_ptr, w_const,
                        BR: tl.constexpr, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr, ROUND_SCALE: tl.constexpr,
-                       NATIVE_FP8: tl.constexpr, FOLD: tl.constexpr):
+                       NATIVE_FP8: tl.constexpr, FOLD: tl.constexpr, PDL: tl.constexpr):
+    _pdl.grid_dependency_sync(PDL)
     # One program per BR rows: q [BR, 128] bf16 -> codes [BR, 128] uint8, scale [BR] fp32.
     # FOLD: row r is (token r // heads, head r % heads) and its folded head weight
     # (w[t, h] * scale) * w_const goes to w_out[r] (fp32; reference.fold_head_weights).
@@ -57,6 +58,7 @@ def launch_fwht_quant(q2d, codes, scale, fp8_dtype, round_scale=True, weights=No
         w_out if fold else scale, reference.head_weight_scale(heads),
         BR=BLOCK_ROWS, FP8_MAX=fp8_max(fp8_dtype), FNUZ=fp8_dtype == torch.float8_e4m3fnuz,
         ROUND_SCALE=round_scale, NATIVE_FP8=native_fp8(q2d.device, fp8_dtype), FOLD=fold, enable_fp_fusion=False,
+        **pdl_launch(q2d.device),
     )
 
 

@@ -19,9 +19,9 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .._backend import backend_for, register_cap
+from .._backend import backend_for, pdl_launch, register_cap
 from .._checks import check_positive_int
-from . import topk
+from . import _pdl, topk
 from ._jit_fp8 import halves_table
 from .logits import check_paged_args, decode_args, paged_tile, paged_tile_logits, query_halves
 
@@ -39,7 +39,8 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
                        cand_ptr, count_ptr, out_ptr, out_stride, vis_limit, next_n, select_k, n_chunks, lut_ptr,
                        PAGE: tl.constexpr, BN: tl.constexpr, NT: tl.constexpr, KB: tl.constexpr, H: tl.constexpr,
                        ROWS: tl.constexpr, PRESHUFFLE: tl.constexpr, FINAL: tl.constexpr, FNUZ: tl.constexpr,
-                       NATIVE_FP8: tl.constexpr):
+                       NATIVE_FP8: tl.constexpr, PDL: tl.constexpr):
+    _pdl.grid_dependency_sync(PDL)
     # Program (group, chunk): rows b * next_n + t for t in [t0, t0 + ROWS) of one request b
     # (same page table), pools [chunk * NT * BN, (chunk + 1) * NT * BN): each key tile is
     # decoded once and scored for all ROWS rows; each row keeps its KB best ranking keys.
@@ -147,7 +148,7 @@ def paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, *
             cand, count, out, out.stride(0), limit, next_n, select_k, n_chunks, halves_table(fp8_dtype, device),
             PAGE=kv_cache.shape[1], BN=BLOCK_POOLS, NT=chunk // BLOCK_POOLS, KB=kb, H=heads, ROWS=rows_per_prog,
             PRESHUFFLE=layout == "preshuffle", FINAL=final, **decode_args(fp8_dtype, device),
-            **launch_options(device),
+            **launch_options(device), **pdl_launch(device),
         )
 
     topk.select_by_leaves(out, lens, limit, select_k, launch_leaves, BLOCK_POOLS)

@@ -14,8 +14,9 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .._backend import backend_for
+from .._backend import backend_for, pdl_launch
 from .._checks import INT_DTYPES, check_index_range, check_pool_size, check_tensor
+from . import _pdl
 
 # Mapping modes of ``_map_tokens``.
 MAP_NONE, MAP_PAGE_TABLE, MAP_OFFSETS = 0, 1, 2
@@ -75,7 +76,8 @@ def _expand_pools_kernel(ids_ptr, ids_s0, valid_ptr, valid_s0, seq_ptr, seq_s0, 
                          map_ptr, map_s0, map_s1, map_cols, rows, n_pools, n_tail,
                          P: tl.constexpr, PB: tl.constexpr, BLOCK_POOLS: tl.constexpr,
                          ROWS: tl.constexpr, TAIL_BLOCK: tl.constexpr, HAS_VALID: tl.constexpr,
-                         HAS_TAIL: tl.constexpr, MAP: tl.constexpr):
+                         HAS_TAIL: tl.constexpr, MAP: tl.constexpr, PDL: tl.constexpr):
+    _pdl.grid_dependency_sync(PDL)
     # Grid (cdiv(rows, ROWS), cdiv(n_pools, BLOCK_POOLS)). Program (i, c) expands pools
     # [c*BP, (c+1)*BP) of rows [i*ROWS, (i+1)*ROWS) as [BP, PB] tiles: one load per pool id, one
     # contiguous store of BP*P int32 per row. Programs with c == 0 also write the n_tail columns
@@ -156,7 +158,9 @@ def _pooled_write_locs_kernel(pt_ptr, pt_s0, n_pages, ids_ptr, out_ptr, n,
 
 
 @triton.jit
-def _visible_counts_kernel(pos_ptr, out_ptr, n, P: tl.constexpr, BLOCK: tl.constexpr):
+def _visible_counts_kernel(pos_ptr, out_ptr, n, P: tl.constexpr, BLOCK: tl.constexpr,
+                           PDL: tl.constexpr):
+    _pdl.grid_dependency_sync(PDL)
     # Grid (cdiv(n, BLOCK),): out[0, i] = max(pos[i] + 1, 0) (tokens row i sees), out[1, i] = that // P.
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = i < n
@@ -229,6 +233,7 @@ def launch_expand_pools(ids, valid, seq_lens, out, pool_size, page_table=None, t
         mptr, ms0, ms1, mcols, rows, n_pools, n_tail,
         P=pool_size, PB=pb, BLOCK_POOLS=block_pools, ROWS=ROWS_PER_PROG, TAIL_BLOCK=_tail_block(n_tail),
         HAS_VALID=valid is not None, HAS_TAIL=seq_lens is not None, MAP=mode, num_warps=EXPAND_WARPS,
+        **pdl_launch(out.device),
     )
 
 
@@ -439,7 +444,8 @@ def visible_counts(positions, pool_size):
     n = pos.numel()
     out = torch.empty((2, n), dtype=torch.int64, device=positions.device)
     if n:
-        _visible_counts_kernel[(triton.cdiv(n, FLAT_BLOCK),)](pos.contiguous(), out, n, P=pool_size, BLOCK=FLAT_BLOCK)
+        _visible_counts_kernel[(triton.cdiv(n, FLAT_BLOCK),)](pos.contiguous(), out, n, P=pool_size, BLOCK=FLAT_BLOCK,
+                                                              **pdl_launch(positions.device))
     return out[0], out[1]
 
 

@@ -53,8 +53,9 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .._backend import backend_for, interpreting
+from .._backend import backend_for, interpreting, pdl_launch
 from .._checks import INT_DTYPES, check_positive_int, check_tensor, range_checks_enabled
+from . import _pdl
 
 LEAF_BASE = 512  # leaves of up to max(KB, LEAF_BASE) pools (H200: 32 x 128K 329 -> 296 us vs 1,024) ...
 MIN_CHUNK = 128  # ... and at least this many (smaller leaves keep all their keys, sorted)
@@ -293,7 +294,9 @@ def _row_bound(base, n_vis, select_k, CHUNK: tl.constexpr, KW: tl.constexpr, LB:
 
 @triton.jit
 def _survivors_kernel(cand_ptr, n_lists, lens_ptr, lens_stride, n_cols, surv_ptr, count_ptr, select_k,
-                      CHUNK: tl.constexpr, KW: tl.constexpr, LG: tl.constexpr, LB: tl.constexpr):
+                      CHUNK: tl.constexpr, KW: tl.constexpr, LG: tl.constexpr, LB: tl.constexpr,
+                      PDL: tl.constexpr):
+    _pdl.grid_dependency_sync(PDL)
     # Program (row, group): appends the keys >= _row_bound of lists [group*LG, +LG) of
     # cand[row] (the KW keys after each list's HEAD slots) to surv[row], at offsets claimed
     # with an atomic on count[row]. The order of the survivors depends on the schedule; what
@@ -363,7 +366,9 @@ def _radix_select(base, cnt, out_row, n_vis, select_k, KB: tl.constexpr, BLOCK: 
 @triton.jit
 def _threshold_select_kernel(surv_ptr, n_surv, count_ptr, lens_ptr, lens_stride, n_cols, out_ptr, out_stride,
                              select_k, rank_limit, KB: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr,
-                             SLICE: tl.constexpr, RANK_BLOCK: tl.constexpr):
+                             SLICE: tl.constexpr, RANK_BLOCK: tl.constexpr,
+                             PDL: tl.constexpr):
+    _pdl.grid_dependency_sync(PDL)
     # Program (row, g): the select_k best of the row's count[row] survivors surv[row, :] (module
     # docstring, step 2): ranked by every program of the row when there are at most rank_limit,
     # else by program 0's radix passes (the survivors are overwritten).
@@ -457,7 +462,7 @@ def survivors(cand, count, chunk, lens, n_cols, select_k):
     surv = torch.empty((rows, n_lists * kw), dtype=torch.int64, device=cand.device)
     _survivors_kernel[(rows, triton.cdiv(n_lists, lg))](
         cand, n_lists, lens, lens.stride(0), n_cols, surv, count, select_k, CHUNK=chunk, KW=kw, LG=lg,
-        LB=triton.next_power_of_2(n_lists))
+        LB=triton.next_power_of_2(n_lists), **pdl_launch(cand.device))
     return surv
 
 
@@ -485,7 +490,7 @@ def threshold_select(cand, count, chunk, lens, n_cols, select_k, out) -> None:
     _threshold_select_kernel[(rows, rank_programs(rows, limit, out.device))](
         surv, surv.shape[1], count, lens, lens.stride(0), n_cols, out, out.stride(0), select_k, limit,
         KB=key_block(select_k), BLOCK=SELECT_BLOCK, BITS=RADIX_BITS, SLICE=RANK_SLICE, RANK_BLOCK=RANK_BLOCK,
-        num_warps=SELECT_WARPS,
+        num_warps=SELECT_WARPS, **pdl_launch(out.device),
     )
 
 
