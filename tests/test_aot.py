@@ -258,6 +258,7 @@ def test_pdl_follows_the_target_and_a_kernel_must_wait(tmp_path, monkeypatch):
     assert results["sm_90", "0"].ok and results["sm_80", "0"].ok and results["sm_80", "1"].ok
     assert not results["sm_90", "1"].ok and "griddepcontrol.wait" in results["sm_90", "1"].error
 
+
 def test_every_kernel_compiles_for_every_target(capsys):
     results = aot.compile_matrix(progress=True)
     with capsys.disabled():  # the table goes to the CI log, pass or fail
