@@ -70,10 +70,6 @@ FP8_KERNELS = ("_compress_kernel", "_prefill_kernel", "_decode_update_kernel", "
 FP8_MODULES = ["kpool.ops.compress", "kpool.ops.prefill", "kpool.ops.decode", "kpool.ops.quant", "kpool.ops.logits",
                "kpool.ops.score"]
 
-# the decode scoring chain, launched with programmatic dependent launch (kpool.ops._pdl)
-PDL_KERNELS = ("_fwht_quant_kernel", "_visible_counts_kernel", "_paged_topk_kernel", "_survivors_kernel",
-               "_threshold_select_kernel", "_expand_pools_kernel")
-
 # a kernel launched with PDL that skips the wait (MODE 1) against one that waits (MODE 0)
 PDL_FAKE = """
 import triton
@@ -244,14 +240,13 @@ def test_pdl_launch_on_cuda_sm90_and_later_only(monkeypatch):
 
 
 def test_pdl_follows_the_target_and_a_kernel_must_wait(tmp_path, monkeypatch):
-    """The scoring chain's kernels take ``PDL`` and compile with it set exactly on the targets
-    ``has_pdl`` names; on sm_90 a kernel whose PTX does not wait on the previous grid while
-    ``PDL`` is set fails the matrix, and on sm_80 (``PDL`` unset) both forms compile."""
+    """Every package kernel (kpool.ops._pdl) takes ``PDL`` and compiles with it set exactly on
+    the targets ``has_pdl`` names; on sm_90 a kernel whose PTX does not wait on the previous
+    grid while ``PDL`` is set fails the matrix, and on sm_80 (``PDL`` unset) both forms compile."""
     from kpool._backend import has_pdl
-    pdl = {(j.kernel, j.target, j.constexprs["PDL"]) for j in aot.build_jobs(kernels=list(PDL_KERNELS))}
-    assert pdl == {(k, t, has_pdl(*aot.TARGETS[t][:2])) for k in PDL_KERNELS for t in aot.TARGETS}
-    with_flag = {j.kernel for j in aot.build_jobs(targets=["sm_90"]) if "PDL" in j.constexprs}
-    assert with_flag == set(PDL_KERNELS)
+    kernels = set(aot.discover_kernels()) - set(aot.EXCLUDED)
+    pdl = {(j.kernel, j.target, j.constexprs.get("PDL")) for j in aot.build_jobs()}
+    assert pdl == {(k, t, has_pdl(*aot.TARGETS[t][:2])) for k in kernels for t in aot.TARGETS}
     mod = _fake_module(tmp_path, monkeypatch, "kpool_aot_pdl", PDL_FAKE)
     results = {(r.target, r.label.split("MODE=")[1][0]): r
                for r in aot.compile_matrix(["sm_80", "sm_90"], progress=False, modules=[mod.__name__])}

@@ -1,7 +1,7 @@
-"""Programmatic dependent launch (PDL, CUDA sm_90+): the decode scoring chain (query
-quantization, visible counts, fused scorer, survivors, selection, expansion) is launched with
-Triton's ``launch_pdl``, so that each kernel is launched while the one before it runs
-(``_backend.pdl_launch``: H200, 1 request at 128K context, 25.0 -> 21.7 us per step).
+"""Programmatic dependent launch (PDL, CUDA sm_90+): every kpool kernel is launched with
+Triton's ``launch_pdl`` (``_backend.pdl_launch``) and waits for its predecessor in the stream
+as its first statement, so that a kernel's launch overlaps the run of the one before it
+(H200, decode scoring chain, 1 request at 128K context: 25.0 -> 21.7 us per step).
 """
 
 import triton

@@ -12,11 +12,11 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .._backend import backend_for, interpreting, native_fp8
+from .._backend import backend_for, interpreting, native_fp8, pdl_launch
 from .._checks import (INT_DTYPES, check_head_dim, check_index_range, check_kv_cache, check_pool_size,
                        check_tensor)
 from ..layout import HEAD_DIM, fp8_max, resolve_fp8_dtype, resolve_layout
-from . import _jit
+from . import _jit, _pdl
 
 # Pools per one-warp program, by P: on the H200 2 pools (P=4) and 1 pool (P=16) beat 1-32
 # pools on 1-8 warps (benchmarks/NOTES.md); the CPU interpreter runs fewer, larger programs
@@ -33,7 +33,9 @@ def _compress_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
                      P: tl.constexpr, PAGE: tl.constexpr, BN: tl.constexpr,
                      PRESHUFFLE: tl.constexpr, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr,
                      ROUND_SCALE: tl.constexpr, HAS_MASK: tl.constexpr,
-                     WRITE_CACHE: tl.constexpr, RETURN_COMPRESSED: tl.constexpr, NATIVE_FP8: tl.constexpr):
+                     WRITE_CACHE: tl.constexpr, RETURN_COMPRESSED: tl.constexpr, NATIVE_FP8: tl.constexpr,
+                     PDL: tl.constexpr):
+    _pdl.grid_dependency_sync(PDL)
     # One program per BN pools; pool i's slot s is at k_ptr + i*k_pool_stride + s*k_slot_stride.
     i = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
     d = tl.arange(0, 128)
@@ -78,7 +80,7 @@ def launch_compress(kv_cache, k, g, ape, loc, n_pools, pool_size, fp8_dtype, lay
         FNUZ=fp8_dtype == torch.float8_e4m3fnuz, ROUND_SCALE=round_scale,
         HAS_MASK=write_mask is not None, WRITE_CACHE=write, RETURN_COMPRESSED=codes is not None,
         NATIVE_FP8=native_fp8(k.device, fp8_dtype),
-        num_warps=NUM_WARPS, enable_fp_fusion=False,
+        num_warps=NUM_WARPS, enable_fp_fusion=False, **pdl_launch(k.device),
     )
 
 

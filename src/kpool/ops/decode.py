@@ -20,11 +20,11 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .._backend import backend_for, native_fp8, row_select
+from .._backend import backend_for, native_fp8, pdl_launch, row_select
 from .._checks import (INT_DTYPES, check_head_dim, check_index_range, check_kv_cache, check_pool_size,
                        check_tail, check_tensor)
 from ..layout import HEAD_DIM, fp8_max, resolve_fp8_dtype, resolve_layout
-from . import _jit
+from . import _jit, _pdl
 
 SMALL_BATCH = 256  # requests; up to this many, a program (one request) gets 4 warps
 
@@ -103,8 +103,9 @@ def _decode_update_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
                           P: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr,
                           PRESHUFFLE: tl.constexpr, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr,
                           ROUND_SCALE: tl.constexpr, NATIVE_FP8: tl.constexpr,
-                          NB: tl.constexpr, NC: tl.constexpr, ROW_SELECT: tl.constexpr):
+                          NB: tl.constexpr, NC: tl.constexpr, ROW_SELECT: tl.constexpr, PDL: tl.constexpr):
     # NB >= next_n (a power of two), NC >= cdiv(next_n, P): the most completions in one step.
+    _pdl.grid_dependency_sync(PDL)
     b = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, 128)
     if NB == 1:  # one token: the walk is the step
@@ -211,7 +212,7 @@ def kpool_decode_update_and_maybe_write_cache_batched(kv_cache, tail_kv_cache, t
         PRESHUFFLE=layout == "preshuffle", FP8_MAX=fp8_max(fp8_dtype), FNUZ=fp8_dtype == torch.float8_e4m3fnuz,
         ROUND_SCALE=round_scale, NATIVE_FP8=native_fp8(device, fp8_dtype),
         **step_tiles(next_n, pool_size), ROW_SELECT=row_select(),
-        num_warps=decode_warps(num_req, next_n),
+        num_warps=decode_warps(num_req, next_n), **pdl_launch(device),
         enable_fp_fusion=False,
     )
     return None

@@ -46,10 +46,10 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .._backend import backend_for, native_fp8
+from .._backend import backend_for, native_fp8, pdl_launch
 from .._checks import INT_DTYPES, check_kv_cache, check_tensor, range_checks_enabled
 from ..layout import FP8_DTYPES, HEAD_DIM, resolve_fp8_dtype, resolve_layout
-from . import _jit, _jit_fp8, topk
+from . import _jit, _jit_fp8, _pdl, topk
 from ._jit_fp8 import halves_table
 
 BLOCK_POOLS = 32  # pools per paged-logits program
@@ -213,7 +213,8 @@ def _paged_logits_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_
                          pt_ptr, pt_sb, pt_sp, kv_ptr, kv_f32_ptr, page_stride, num_pages,
                          out_ptr, out_stride, max_pools, vis_limit, next_n, lut_ptr,
                          PAGE: tl.constexpr, BN: tl.constexpr, H: tl.constexpr, PRESHUFFLE: tl.constexpr,
-                         FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
+                         FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr, PDL: tl.constexpr):
+    _pdl.grid_dependency_sync(PDL)
     # Program (row = b * next_n + t, block): logits of pools [block*BN, block*BN + BN) of that row.
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1).to(tl.int64)
@@ -238,7 +239,8 @@ def _paged_logits_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_
 def _ragged_logits_kernel(q_ptr, q_st, q_sh, w_ptr, w_st, w_sh, k_ptr, k_sn, ksc_ptr, ksc_sn, ks_ptr, ke_ptr,
                           n_keys, out_ptr, out_stride, lut_ptr,
                           BN: tl.constexpr, NT: tl.constexpr, H: tl.constexpr, FNUZ: tl.constexpr,
-                          NATIVE_FP8: tl.constexpr):
+                          NATIVE_FP8: tl.constexpr, PDL: tl.constexpr):
+    _pdl.grid_dependency_sync(PDL)
     # Program (query t, span): logits of pools [span*NT*BN, (span+1)*NT*BN) for query t, NT
     # tiles of BN pools; the query's halves are built once per span that meets its window.
     t = tl.program_id(0).to(tl.int64)
@@ -381,7 +383,7 @@ def paged_pool_logits(q_fp8, kv_cache, weights, pool_lens, page_table, *, layout
         page_table, page_table.stride(0), page_table.stride(1), kv_cache, kv_cache.view(torch.float32),
         kv_cache.stride(0), num_pages, out, out.stride(0), max_pools, limit, next_n, halves_table(fp8_dtype, device),
         PAGE=page, BN=BLOCK_POOLS, H=heads, PRESHUFFLE=layout == "preshuffle", **decode_args(fp8_dtype, device),
-        enable_fp_fusion=False,
+        enable_fp_fusion=False, **pdl_launch(device),
     )
     return out
 
@@ -438,5 +440,6 @@ def ragged_pool_logits(q_fp8, k_codes, k_scale, weights, ks, ke, *, fp8_dtype=No
         q8, q8.stride(0), q8.stride(1), weights, weights.stride(0), weights.stride(1),
         k8, k8.stride(0), k_scale, k_scale.stride(0), ks, ke, n_keys, out, out.stride(0), halves_table(fp8_dtype, device),
         BN=RAGGED_TILE, NT=RAGGED_TILES, H=heads, **decode_args(fp8_dtype, device), enable_fp_fusion=False,
+        **pdl_launch(device),
     )
     return out

@@ -17,9 +17,9 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .._backend import backend_for, native_fp8, register_cap, row_select
+from .._backend import backend_for, native_fp8, pdl_launch, register_cap, row_select
 from ..layout import fp8_max
-from . import _jit
+from . import _jit, _pdl
 from .compress import NUM_WARPS, block_pools
 
 REQUEST_FIELDS = 8  # int64 per request row, see write_prefill
@@ -37,7 +37,8 @@ def _prefill_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_b
                     P: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr, BN: tl.constexpr,
                     PRESHUFFLE: tl.constexpr, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr,
                     ROUND_SCALE: tl.constexpr, NATIVE_FP8: tl.constexpr, KEEP: tl.constexpr,
-                    ROW_SELECT: tl.constexpr):
+                    ROW_SELECT: tl.constexpr, PDL: tl.constexpr):
+    _pdl.grid_dependency_sync(PDL)
     pid = tl.program_id(0)
     d = tl.arange(0, 128)
     if pid < n_pool_programs:
@@ -71,7 +72,8 @@ def _prefill_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_b
 
 def launch_options(device, pool_size: int) -> dict:
     """Compile options of ``_prefill_kernel``: ``MAX_REGS`` applies to CUDA targets only."""
-    return dict(num_warps=NUM_WARPS, enable_fp_fusion=False, **register_cap(device, MAX_REGS.get(pool_size)))
+    return dict(num_warps=NUM_WARPS, enable_fp_fusion=False, **register_cap(device, MAX_REGS.get(pool_size)),
+                **pdl_launch(device))
 
 
 def write_prefill(kv_cache, tail, key, gate, ape, pools, requests, pool_size, *, layout, fp8_dtype,

@@ -112,7 +112,8 @@ def _expand_pools_kernel(ids_ptr, ids_s0, valid_ptr, valid_s0, seq_ptr, seq_s0, 
 def _append_tail_kernel(src_ptr, src_s0, seq_ptr, seq_s0, plen_ptr, plen_s0, out_ptr, out_s0,
                         map_ptr, map_s0, map_s1, map_cols, rows, n_cols, n_tail,
                         P: tl.constexpr, BLOCK_COLS: tl.constexpr, ROWS: tl.constexpr,
-                        TAIL_BLOCK: tl.constexpr, MAP: tl.constexpr):
+                        TAIL_BLOCK: tl.constexpr, MAP: tl.constexpr, PDL: tl.constexpr):
+    _pdl.grid_dependency_sync(PDL)
     # Grid (cdiv(rows, ROWS), cdiv(n_cols, BLOCK_COLS)). Program (i, c) copies history columns
     # [c*BC, (c+1)*BC) of rows [i*ROWS, (i+1)*ROWS) (each row its own history); programs with
     # c == 0 also write the P-1 tail columns from pool_lens / seq_lens.
@@ -134,7 +135,8 @@ def _append_tail_kernel(src_ptr, src_s0, seq_ptr, seq_s0, plen_ptr, plen_s0, out
 
 @triton.jit
 def _pooled_page_table_kernel(src_ptr, src_s0, src_s1, out_ptr, rows, out_cols,
-                              P: tl.constexpr, BLOCK: tl.constexpr):
+                              P: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    _pdl.grid_dependency_sync(PDL)
     # Grid (rows, cdiv(out_cols, BLOCK)): out[r, c] = src[r, c*P] for a [BLOCK] column tile.
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
@@ -145,7 +147,8 @@ def _pooled_page_table_kernel(src_ptr, src_s0, src_s1, out_ptr, rows, out_cols,
 
 @triton.jit
 def _pooled_write_locs_kernel(pt_ptr, pt_s0, n_pages, ids_ptr, out_ptr, n,
-                              P: tl.constexpr, BLOCK: tl.constexpr):
+                              P: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    _pdl.grid_dependency_sync(PDL)
     # Grid (cdiv(n, BLOCK),): loc = page_table_64[(id // 64) * P] * 64 + id % 64, -1 for a negative
     # id or a page row past the table (the gather index is masked, never out of bounds).
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
@@ -352,6 +355,7 @@ def append_tail_to_topk(topk_result, seq_lens, pool_lens, pool_size, page_table=
         src, src.stride(0), seq_lens, seq_lens.stride(0), pool_lens, pool_lens.stride(0), out, out.stride(0),
         mptr, ms0, ms1, mcols, rows, n_cols, n_tail,
         P=pool_size, BLOCK_COLS=block_cols, ROWS=ROWS_PER_PROG, TAIL_BLOCK=_tail_block(n_tail), MAP=mode,
+        **pdl_launch(device),
     )
     return out
 
@@ -384,7 +388,8 @@ def build_pooled_page_table(page_table, pool_size):
     rows, out_cols = src.shape[0], w // pool_size
     block = min(triton.next_power_of_2(out_cols), FLAT_BLOCK)
     _pooled_page_table_kernel[(rows, triton.cdiv(out_cols, block))](
-        src, src.stride(0), src.stride(1), out, rows, out_cols, P=pool_size, BLOCK=block)
+        src, src.stride(0), src.stride(1), out, rows, out_cols, P=pool_size, BLOCK=block,
+        **pdl_launch(out.device))
     return out
 
 
@@ -418,7 +423,8 @@ def compute_pooled_write_locs(page_table_64, pool_ids, pool_size):
         return out
     ids = pool_ids.contiguous()
     _pooled_write_locs_kernel[(triton.cdiv(n, FLAT_BLOCK),)](
-        page_table_64, page_table_64.stride(0), n_pages, ids, out, n, P=pool_size, BLOCK=FLAT_BLOCK)
+        page_table_64, page_table_64.stride(0), n_pages, ids, out, n, P=pool_size, BLOCK=FLAT_BLOCK,
+        **pdl_launch(device))
     return out
 
 

@@ -13,17 +13,19 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .._backend import backend_for
+from .._backend import backend_for, pdl_launch
 from .._checks import INT_DTYPES, check_head_dim, check_index_range, check_pool_size, check_tail, check_tensor
 from ..layout import HEAD_DIM
-from . import _jit
+from . import _jit, _pdl
 
 BLOCK_TOKENS = 64
 
 
 @triton.jit
 def _seed_tail_kernel(tail_ptr, tail_block_stride, tail_head, key_ptr, key_stride, g_ptr, g_stride,
-                      ts_ptr, take_ptr, n_tokens, RING: tl.constexpr, BT: tl.constexpr):
+                      ts_ptr, take_ptr, n_tokens, RING: tl.constexpr, BT: tl.constexpr,
+                      PDL: tl.constexpr):
+    _pdl.grid_dependency_sync(PDL)
     # BT tokens per program; token i is copied where take[i] (see seed_rows)
     i = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     d = tl.arange(0, 128)
@@ -36,7 +38,8 @@ def _seed_tail_kernel(tail_ptr, tail_block_stride, tail_head, key_ptr, key_strid
 
 @triton.jit
 def _seed_requests_kernel(tail_ptr, tail_block_stride, tail_head, key_ptr, key_stride, g_ptr, g_stride, meta_ptr,
-                          RING: tl.constexpr, KEEP: tl.constexpr):
+                          RING: tl.constexpr, KEEP: tl.constexpr, PDL: tl.constexpr):
+    _pdl.grid_dependency_sync(PDL)
     # One program per request r: meta[r] = (end_row, end_pos, block, n_keep); rows
     # [end_row - n_keep, end_row) hold positions [end_pos - n_keep, end_pos).
     r = tl.program_id(0).to(tl.int64)
@@ -101,7 +104,7 @@ def kpool_seed_tail_cache(tail_kv_cache, key, gate_score, tslot, kpool, head_dim
     _seed_tail_kernel[(triton.cdiv(n, BLOCK_TOKENS),)](
         tail_kv_cache, tail_kv_cache.stride(0), tail_kv_cache.stride(1),
         key, key.stride(0), gate_score, gate_score.stride(0), tslot.contiguous(), take, n,
-        RING=ring, BT=BLOCK_TOKENS,
+        RING=ring, BT=BLOCK_TOKENS, **pdl_launch(key.device),
     )
     return None
 
@@ -121,5 +124,5 @@ def seed_requests(tail, key, gate, meta, keep):
         return
     _seed_requests_kernel[(meta.shape[0],)](
         tail, tail.stride(0), tail.stride(1), key, key.stride(0), gate, gate.stride(0), meta,
-        RING=ring, KEEP=triton.next_power_of_2(max(keep, 1)),
+        RING=ring, KEEP=triton.next_power_of_2(max(keep, 1)), **pdl_launch(key.device),
     )

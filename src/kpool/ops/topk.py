@@ -189,7 +189,9 @@ def clear_counts(count_ptr, rows, chunk, FINAL: tl.constexpr):
 
 @triton.jit
 def _chunk_topk_kernel(x_ptr, x_stride, lens_ptr, lens_stride, cand_ptr, count_ptr, out_ptr, out_stride, n_cols,
-                       select_k, n_chunks, CHUNK: tl.constexpr, KB: tl.constexpr, FINAL: tl.constexpr):
+                       select_k, n_chunks, CHUNK: tl.constexpr, KB: tl.constexpr, FINAL: tl.constexpr,
+                       PDL: tl.constexpr):
+    _pdl.grid_dependency_sync(PDL)
     # Program (row, chunk): the leaf of logits x[row, chunk*CHUNK : +CHUNK] (store_leaf).
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1).to(tl.int64)
@@ -527,7 +529,7 @@ def select_pools(logits, pool_lens, select_k):
     def launch_leaves(cand, count, chunk, n_chunks, kb, final):
         _chunk_topk_kernel[(rows, n_chunks)](
             logits, logits.stride(0), pool_lens, pool_lens.stride(0), cand, count, out, out.stride(0), n_cols, select_k,
-            n_chunks, CHUNK=chunk, KB=kb, FINAL=final,
+            n_chunks, CHUNK=chunk, KB=kb, FINAL=final, **pdl_launch(device),
         )
 
     select_by_leaves(out, pool_lens, n_cols, select_k, launch_leaves)
