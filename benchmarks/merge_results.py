@@ -21,7 +21,9 @@ def merge(full: dict, part: dict, ops: set) -> dict:
     if missing:
         raise SystemExit(f"the partial run has no records of {sorted(missing)}")
     out = dict(full)
-    out["results"] = [r for r in full["results"] if r["op"] not in ops] + [r for r in part["results"] if r["op"] in ops]
+    order = list(dict.fromkeys(r["op"] for r in full["results"]))  # op families keep their place
+    merged = [r for r in full["results"] if r["op"] not in ops] + [r for r in part["results"] if r["op"] in ops]
+    out["results"] = sorted(merged, key=lambda r: order.index(r["op"]) if r["op"] in order else len(order))
     meta = dict(full["meta"])
     earlier = [dict(m, ops=[o for o in m["ops"] if o not in ops]) for m in meta.get("merged", [])]
     meta["merged"] = [m for m in earlier if m["ops"]] + [{

@@ -175,8 +175,8 @@ def test_gpu_slug():
 
 
 def test_merge_results_replaces_one_op_family(tmp_path):
-    """A partial run's records of the named ops replace the full run's; the rest and the full
-    run's meta stay; the README header names the partial run's commit and bandwidth."""
+    """A partial run's records of the named ops replace the full run's where they stood; the rest
+    and the full run's meta stay; the README header names the partial run's commit and bandwidth."""
     mr, rt = _load("merge_results"), _load("readme_table")
     full = {"meta": {"git": {"commit": "aaaaaaa"}, "date_utc": "2026-11-30T10:00:00+00:00", "gpu": "G"},
             "copy_bandwidth": {"gbps": 4000.0},
@@ -187,7 +187,7 @@ def test_merge_results_replaces_one_op_family(tmp_path):
             "results": [{"op": "score", "case": "new", "impl": "ours", "us": 1.0},
                         {"op": "compress", "case": "ignored", "impl": "ours", "us": 5.0}]}
     out = mr.merge(full, part, {"score"})
-    assert [(r["op"], r["case"]) for r in out["results"]] == [("compress", "keep"), ("score", "new")]
+    assert [(r["op"], r["case"]) for r in out["results"]] == [("score", "new"), ("compress", "keep")]  # in place
     assert out["meta"]["git"]["commit"] == "aaaaaaa" and out["copy_bandwidth"]["gbps"] == 4000.0
     assert out["meta"]["merged"] == [{"ops": ["score"], "commit": "bbbbbbb", "date_utc": "2026-12-01T10:00:00+00:00",
                                       "copy_gbps": 4100.0, "command": ["x"]}]
