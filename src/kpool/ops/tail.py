@@ -79,9 +79,9 @@ def kpool_seed_tail_cache(tail_kv_cache, key, gate_score, tslot, kpool, head_dim
     tail_kv_cache : bf16 ``[num_blocks, 2, RING, 128]`` (padded block stride allowed).
     key, gate_score : bf16 ``[n_tokens, 128]`` (unit inner stride).
     tslot : int32/int64 ``[n_tokens]`` token-granular ring slots ``block*RING + pos % RING``;
-        negative = padding, allowed between requests but not inside one (ValueError). Token
-        ``i`` is copied unless token ``i + kpool`` has a valid slot in the same block, so every
-        request's trailing ``kpool`` tokens are seeded.
+        negative = padding, anywhere (between requests or inside one). The seed's rule on the
+        valid rows in order: a valid row is copied unless the valid row ``kpool`` valid rows
+        later is in the same block, so every request's last ``kpool`` valid tokens are seeded.
     kpool : P.
     """
     check_head_dim(head_dim)
