@@ -36,6 +36,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -392,13 +393,25 @@ def run_unit(ctx: Ctx, mod, case: dict, impl: str) -> dict:
     return rec
 
 
-def build_plan(ops, mode, modules) -> list[tuple[str, int, str]]:
-    plan = []
+def build_plan(ops, mode, modules, cases=None, impls=None) -> list[tuple[str, int, str]]:
+    """``(op, case index, impl)`` units in run order; ``cases``: a regular expression a case's
+    label must contain (``re.search``), ``impls``: the implementations to keep (None: all)."""
+    pattern = re.compile(cases) if cases else None
+    plan, known = [], set()
     for op in ops:
         mod = modules[op]
         for ci, case in enumerate(mod.cases(mode)):
+            known.update(mod.impls(case))
+            if pattern is not None and not pattern.search(case["label"]):
+                continue
             for impl in mod.impls(case):
-                plan.append((op, ci, impl))
+                if impls is None or impl in impls:
+                    plan.append((op, ci, impl))
+    unknown = set(impls or ()) - known
+    if unknown:
+        raise ValueError(f"impls {sorted(unknown)} are not implementations of {list(ops)} (known: {sorted(known)})")
+    if (cases or impls) and not plan:
+        raise ValueError(f"no measurement of {list(ops)} matches cases={cases!r} impls={impls}")
     return plan
 
 
@@ -610,8 +623,10 @@ def environment(ctx: Ctx, seed_path) -> dict:
 
 
 def run(ops=None, mode="full", out_json=None, seed_path=None, check=True, budget_s=None, device=None,
-        verbose=True) -> dict:
-    """Run the benchmarks; returns the result document (also written to ``out_json``)."""
+        verbose=True, cases=None, impls=None) -> dict:
+    """Run the benchmarks; returns the result document (also written to ``out_json``).
+    ``cases`` / ``impls``: run only these units (``build_plan``); the document records the
+    filter in ``meta["filter"]``, and ``merge_results.py`` refuses such a partial document."""
     t_start = time.time()
     log = print if verbose else (lambda *a, **k: None)
     ops = list(ops) if ops else list(OPS)
@@ -660,7 +675,9 @@ def run(ops=None, mode="full", out_json=None, seed_path=None, check=True, budget
             doc["meta"]["partial"] = True
             write_json(doc, out_json)
 
-    plan = build_plan(list(modules), mode, modules)
+    plan = build_plan(list(modules), mode, modules, cases, impls)
+    if cases or impls:
+        doc["meta"]["filter"] = {"cases": cases, "impls": sorted(impls) if impls else None}
     execute(ctx, plan, modules, sink, log)
     if not (ctx.cuda and not cuda_alive()):
         try:

@@ -17,6 +17,9 @@ import sys
 
 
 def merge(full: dict, part: dict, ops: set) -> dict:
+    if part["meta"].get("filter"):
+        raise SystemExit(f"the partial run ran a subset of its ops' cases / impls ({part['meta']['filter']}): "
+                         "it cannot replace an op family")
     missing = ops - {r["op"] for r in part["results"]}
     if missing:
         raise SystemExit(f"the partial run has no records of {sorted(missing)}")

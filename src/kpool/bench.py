@@ -8,10 +8,12 @@ Usage::
 
     python -m kpool.bench [--quick | --dry-run] [--ops compress,decode,...] [--out PATH|auto]
                           [--seed-path PATH] [--no-check] [--budget-s S]
+                          [--cases REGEX] [--impls ours,seed,...] [--list]
 
 ``--out auto`` writes ``benchmarks/results/<gpu>.json``. ``--dry-run`` uses tiny sizes on
 the CPU (Triton's interpreter) or GPU to exercise every code path; its timings mean
-nothing. The seed module is loaded by path: ``--seed-path``, else ``$KPOOL_SEED_PATH``,
+nothing. ``--cases`` / ``--impls`` run a subset (an A/B of a few cases costs seconds of GPU
+time instead of minutes); such a run cannot be merged into the results file. The seed module is loaded by path: ``--seed-path``, else ``$KPOOL_SEED_PATH``,
 else ``../shared/seed/seed_kpool.py``, else ``.seed/seed_kpool.py`` (repository root).
 """
 
@@ -60,7 +62,7 @@ def _resolve_out(out_json):
 
 
 def run_benchmarks(ops=None, quick=False, out_json=None, seed_path=None, *, dry_run=False, check=True,
-                   budget_s=None, device=None, verbose=True) -> dict:
+                   budget_s=None, device=None, verbose=True, cases=None, impls=None) -> dict:
     """Run the benchmarks and return the result document.
 
     Parameters
@@ -73,6 +75,8 @@ def run_benchmarks(ops=None, quick=False, out_json=None, seed_path=None, *, dry_
     dry_run : tiny sizes that exercise every code path; the timings mean nothing.
     check : compare our outputs with the torch reference byte for byte before timing.
     budget_s : stop starting new measurements after this many seconds (the rest is recorded as skipped).
+    cases : regular expression; only the cases whose label it matches (``re.search``).
+    impls : iterable of implementation names (``ours``, ``seed``, ``torch``, ...); only those.
     """
     h = harness()
     mode = "dry" if dry_run else ("quick" if quick else "full")
@@ -83,7 +87,8 @@ def run_benchmarks(ops=None, quick=False, out_json=None, seed_path=None, *, dry_
             os.environ["KPOOL_BACKEND"] = "triton"  # run our Triton kernels in the interpreter
     try:
         return h.run(ops=ops, mode=mode, out_json=_resolve_out(out_json), seed_path=seed_path, check=check,
-                     budget_s=budget_s, device=device, verbose=verbose)
+                     budget_s=budget_s, device=device, verbose=verbose, cases=cases,
+                     impls=set(impls) if impls else None)
     finally:
         if saved is None:
             os.environ.pop("KPOOL_BACKEND", None)
@@ -102,6 +107,8 @@ def _parser():
     p.add_argument("--budget-s", type=float, default=None, help="start no measurement after this many seconds")
     p.add_argument("--device", default=None, help="cuda / cpu (default: cuda if available)")
     p.add_argument("--strict", action="store_true", help="exit 1 if any measurement errored")
+    p.add_argument("--cases", default=None, help="regular expression: only the cases whose label matches")
+    p.add_argument("--impls", default=None, help="comma-separated: only these implementations (ours,seed,torch,...)")
     p.add_argument("--list", action="store_true", help="list the planned measurements and exit")
     return p
 
@@ -109,6 +116,7 @@ def _parser():
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     ops = [o.strip() for o in args.ops.split(",") if o.strip()] if args.ops else None
+    impls = {i.strip() for i in args.impls.split(",") if i.strip()} if args.impls else None
     import torch
     from . import _backend
     if args.dry_run and not torch.cuda.is_available() and not _backend.interpreting() \
@@ -119,15 +127,20 @@ def main(argv=None) -> int:
         env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         argv = list(sys.argv[1:] if argv is None else argv)
         os.execve(sys.executable, [sys.executable, "-m", "kpool.bench", *argv], env)
-    if args.list:
-        h = harness()
-        mode = "dry" if args.dry_run else ("quick" if args.quick else "full")
-        mods = {op: h.load_op_module(op) for op in (ops or h.OPS)}
-        for op, ci, impl in h.build_plan(list(mods), mode, mods):
-            print(f"{op:9s} {mods[op].cases(mode)[ci]['label']:28s} {impl}")
-        return 0
-    doc = run_benchmarks(ops=ops, quick=args.quick, out_json=args.out, seed_path=args.seed_path,
-                         dry_run=args.dry_run, check=not args.no_check, budget_s=args.budget_s, device=args.device)
+    try:
+        if args.list:
+            h = harness()
+            mode = "dry" if args.dry_run else ("quick" if args.quick else "full")
+            mods = {op: h.load_op_module(op) for op in (ops or h.OPS)}
+            for op, ci, impl in h.build_plan(list(mods), mode, mods, args.cases, impls):
+                print(f"{op:9s} {mods[op].cases(mode)[ci]['label']:28s} {impl}")
+            return 0
+        doc = run_benchmarks(ops=ops, quick=args.quick, out_json=args.out, seed_path=args.seed_path,
+                             dry_run=args.dry_run, check=not args.no_check, budget_s=args.budget_s,
+                             device=args.device, cases=args.cases, impls=impls)
+    except ValueError as e:  # a bad --ops / --cases / --impls
+        print(f"kpool bench: {e}", file=sys.stderr)
+        return 2
     if args.strict and any(r["status"] == "error" for r in doc["results"]):
         return 1
     return 0
