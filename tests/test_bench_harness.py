@@ -219,7 +219,8 @@ def test_case_and_impl_filters(tmp_path, capsys):
         h.build_plan(["decode"], "full", mods, "B=7", None)
     assert bench.main(["--list", "--ops", "decode", "--impls", "our"]) == 2
     assert "['our']" in capsys.readouterr().err
-    assert bench.main(["--list", "--ops", "decode", "--cases", "P=16 B=1024 next_n=4", "--impls", "ours"]) == 0
+    from kpool.cli import main as kpool_main  # the console script hands every option to kpool.bench
+    assert kpool_main(["bench", "--list", "--ops", "decode", "--cases", "P=16 B=1024 next_n=4", "--impls", "ours"]) == 0
     assert capsys.readouterr().out.split() == ["decode", "P=16", "B=1024", "next_n=4", "ours"]
     mp = pytest.MonkeyPatch()
     mp.setenv("KPOOL_BACKEND", "torch")

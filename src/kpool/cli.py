@@ -20,12 +20,6 @@ def _demo(args) -> int:
     return 0
 
 
-def _bench(args) -> int:
-    from . import bench
-
-    return bench.main(args.rest)
-
-
 def _check(args) -> int:
     from . import aot
 
@@ -38,6 +32,10 @@ def _check(args) -> int:
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # kpool.bench parses its own options (argparse's REMAINDER drops leading ones)
+        from . import bench
+        return bench.main(argv[1:])
     parser = argparse.ArgumentParser(prog="kpool", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     demo = sub.add_parser("demo", help="serving session through KPoolCache, checked against the oracle")
@@ -49,9 +47,7 @@ def main(argv=None) -> int:
     demo.add_argument("--device", default=None, help="cuda / cpu (default: cuda if available)")
     demo.add_argument("--json", default=None, help="also write the summary as JSON")
     demo.set_defaults(fn=_demo)
-    bench = sub.add_parser("bench", help="benchmarks vs the seed and the torch path (GPU)")
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
-    bench.set_defaults(fn=_bench)
+    sub.add_parser("bench", help="benchmarks vs the seed and the torch path (GPU); kpool bench --help")
     check = sub.add_parser("check", help="compile every kernel for sm_80/90/100, gfx942/950")
     check.set_defaults(fn=_check)
     args = parser.parse_args(argv)
