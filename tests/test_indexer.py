@@ -6,6 +6,9 @@
   the exact serving logits: every chosen pool scores at least as high as every pool left
   out, equal scores resolved to the lower pool id. Both backends (torch, Triton under the
   CPU interpreter) return identical rows.
+* Random schedules (hypothesis): prefill chunks, decode / verify steps, accept with rollback,
+  on a random pool size, head count, speculation depth, ``index_topk``, output width and
+  scoring budget; every ``topk_indices`` call checked as above, on both backends.
 * Row structure at every position class (p mod P): no index above the row's position, the
   tail ``[(p+1)//P*P, p]`` in its columns, whole pools only, all visible pools in order when
   there are at most ``select_k``.
@@ -20,9 +23,13 @@ Caches start filled with random bytes, so a pool that was never written fails.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, note, settings
+from hypothesis import strategies as st
 
 from kpool import cache as cache_mod
 from kpool import numerics, reference
@@ -205,6 +212,74 @@ def test_schedule_matches_serving_reference_on_both_backends(monkeypatch):
     assert len(torch_outs) == len(triton_outs)
     for i, (a, b) in enumerate(zip(torch_outs, triton_outs)):
         assert torch.equal(a, b), f"step {i}: torch and triton backends differ"
+
+
+SCHEDULE_EXAMPLES = {"torch": 12, "triton": 3}
+
+
+def _random_schedule(data, backend, monkeypatch):
+    """Hypothesis draws the geometry and a schedule seed; the steps come from
+    ``random.Random(seed)``. After every step, ``topk_indices`` over the requests that took
+    part (a random subset, in a random order) is checked against the serving reference."""
+    monkeypatch.setenv("KPOOL_BACKEND", backend)
+    pool = data.draw(st.sampled_from([4, 16]), label="P")
+    spec = data.draw(st.sampled_from([0, 1, 3]), label="max_spec_tokens")
+    run = Run(pool=pool, page=8, heads=data.draw(st.sampled_from([16, 32]), label="H"), spec=spec,
+              num_pages=24, max_requests=3, seed=data.draw(st.integers(0, 2**20), label="seed"))
+    rng = random.Random(data.draw(st.integers(0, 2**32 - 1), label="schedule seed"))
+    max_tokens = 8 * 8 * pool  # 8 pages of pools per request, at most
+    decoded = set()
+    for step in range(rng.randint(3, 6 if backend == "torch" else 4)):
+        live = [r for r in "abc" if r in run.keys and run.keys[r].shape[0] < max_tokens - 3 * pool]
+        op = rng.choice(["prefill"] * 2 + ["decode"] * 2 * bool(live) + ["accept"] * 2 * bool(decoded))
+        if op == "prefill":
+            rids = rng.sample("abc", rng.randint(1, 3))
+            lens = {}
+            for r in rids:
+                have = run.keys[r].shape[0] if r in run.keys else 0
+                if have < max_tokens - 3 * pool:
+                    lens[r] = rng.randint(1, min(5 * pool + 7, max_tokens - 3 * pool - have))
+            if not lens:
+                continue
+            run.prefill(lens)
+            decoded -= set(lens)
+        elif op == "decode":
+            rids = rng.sample(live, rng.randint(1, len(live)))
+            lens = {r: rng.randint(1, spec + 1) for r in rids}
+            run.decode(lens)
+            decoded = (decoded - set(rids)) | {r for r in rids if lens[r] > 0}
+        else:
+            counts = {r: rng.randint(0, run.step[r][1]) for r in rng.sample(sorted(decoded), rng.randint(1, len(decoded)))}
+            run.accept(counts)
+            decoded -= set(counts)
+            rids = list(counts)
+        stepped = [r for r in rids if r in run.step]
+        rids = rng.sample(stepped, rng.randint(1, len(stepped)))
+        index_topk = pool * rng.choice([1, 2, 3, 5])
+        natural = index_topk + pool - 1
+        width = rng.choice([None, natural, -(-natural // 8) * 8 + 8])
+        budget = rng.choice([None, str(rng.randint(64, 4096) / 2**20)])  # tiny budgets chunk the rows
+        if budget is None:
+            monkeypatch.delenv("KPOOL_LOGITS_BUDGET_MB", raising=False)
+        else:
+            monkeypatch.setenv("KPOOL_LOGITS_BUDGET_MB", budget)
+        note(f"step {step}: {op} -> topk_indices({rids}, index_topk={index_topk}, width={width}, budget={budget})")
+        q, w = run.queries(sum(run.step[r][1] for r in rids))
+        out = run.cache.topk_indices(rids, q, w, index_topk=index_topk, width=width)
+        check_against_serving(run, rids, out, q, w, index_topk, width)
+    monkeypatch.delenv("KPOOL_LOGITS_BUDGET_MB", raising=False)
+
+
+def test_random_schedules_match_serving_reference(backend, monkeypatch):
+    """Random serving schedules through KPoolCache, every ``topk_indices`` row checked (module doc)."""
+
+    @settings(max_examples=SCHEDULE_EXAMPLES[backend], deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @given(st.data())
+    def run(data):
+        _random_schedule(data, backend, monkeypatch)
+
+    run()
 
 
 # --------------------------------------------------------------------------------------------
