@@ -7,7 +7,7 @@
   out, equal scores resolved to the lower pool id. Both backends (torch, Triton under the
   CPU interpreter) return identical rows.
 * Random schedules (hypothesis): prefill chunks, decode / verify steps, accept with rollback,
-  on a random pool size, head count, speculation depth, ``index_topk``, output width and
+  free and reuse of a request id, on a random pool size, head count, speculation depth, ``index_topk``, output width and
   scoring budget; every ``topk_indices`` call checked as above, on both backends.
 * Row structure at every position class (p mod P): no index above the row's position, the
   tail ``[(p+1)//P*P, p]`` in its columns, whole pools only, all visible pools in order when
@@ -231,8 +231,17 @@ def _random_schedule(data, backend, monkeypatch):
     decoded = set()
     for step in range(rng.randint(3, 6 if backend == "torch" else 4)):
         live = [r for r in "abc" if r in run.keys and run.keys[r].shape[0] < max_tokens - 3 * pool]
-        op = rng.choice(["prefill"] * 2 + ["decode"] * 2 * bool(live) + ["accept"] * 2 * bool(decoded))
-        if op == "prefill":
+        op = rng.choice(["prefill"] * 2 + ["decode"] * 2 * bool(live) + ["accept"] * 2 * bool(decoded)
+                        + ["free"] * bool(run.keys))
+        if op == "free":  # the id comes back as a new request: nothing of the old one may show
+            r = rng.choice(sorted(run.keys))
+            run.cache.free(r)
+            for d in (run.keys, run.gates, run.step):
+                d.pop(r)
+            decoded.discard(r)
+            op, rids = "free + prefill", [r]
+            run.prefill({r: rng.randint(1, 5 * pool + 7)})
+        elif op == "prefill":
             rids = rng.sample("abc", rng.randint(1, 3))
             lens = {}
             for r in rids:
