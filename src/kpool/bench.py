@@ -13,8 +13,9 @@ Usage::
 ``--out auto`` writes ``benchmarks/results/<gpu>.json``. ``--dry-run`` uses tiny sizes on
 the CPU (Triton's interpreter) or GPU to exercise every code path; its timings mean
 nothing. ``--cases`` / ``--impls`` run a subset (an A/B of a few cases costs seconds of GPU
-time instead of minutes); such a run cannot be merged into the results file. The seed module is loaded by path: ``--seed-path``, else ``$KPOOL_SEED_PATH``,
-else ``../shared/seed/seed_kpool.py``, else ``.seed/seed_kpool.py`` (repository root).
+time instead of minutes); such a run cannot be merged into the results file. The seed
+module is loaded by path: ``--seed-path``, else ``$KPOOL_SEED_PATH``, else
+``../shared/seed/seed_kpool.py``, else ``.seed/seed_kpool.py`` (repository root).
 """
 
 from __future__ import annotations
