@@ -190,6 +190,7 @@ class Ctx:
         self.check = check
         self.deadline = deadline
         self.copy_gbps = None
+        self.profile = False  # run(): one eager call between cudaProfilerStart / Stop, no timing
         if self.cuda:
             props = torch.cuda.get_device_properties(self.device)
             self.l2_bytes = int(getattr(props, "L2_cache_size", 0) or 60 * 2**20)
@@ -336,7 +337,22 @@ class Ctx:
 
     def run(self, fn, make_set, *, bytes: int, ws_bytes: int | None = None, alloc_bytes: int | None = None,
             graph: bool = True, **extra) -> dict:
-        """Build rotated input sets with ``make_set(i)``, time ``fn(*set)``, return record fields."""
+        """Build rotated input sets with ``make_set(i)``, time ``fn(*set)``, return record fields.
+        With ``profile`` set: one set, a warm-up call, then one call between
+        ``torch.cuda.profiler.start()`` and ``stop()`` (for ``ncu --profile-from-start off``);
+        no timing."""
+        if self.profile:
+            s = make_set(0)
+            fn(*s)  # compiles and warms up outside the profiled range
+            if self.cuda:
+                torch.cuda.synchronize()
+                torch.cuda.profiler.start()
+            fn(*s)
+            if self.cuda:
+                torch.cuda.synchronize()
+                torch.cuda.profiler.stop()
+            return {"us": None, "bytes": int(bytes), "timing": "profiled (one eager call, cudaProfilerStart/Stop)",
+                    **extra}
         ws = int(ws_bytes or bytes)
         n = self.n_sets(ws, alloc_bytes)
         sets = [make_set(i) for i in range(n)]
@@ -532,7 +548,11 @@ def _judge(t, rec, seed_us):
 
 
 def _fmt(x, spec, dash="-"):
-    return dash if x is None else format(x, spec)
+    """``format(x, spec)``; ``dash`` (right-aligned to the spec's width) for None."""
+    if x is not None:
+        return format(x, spec)
+    width = re.match(r"\d*", spec).group()
+    return format(dash, f">{width}") if width else dash
 
 
 def format_table(doc: dict) -> str:
@@ -623,10 +643,11 @@ def environment(ctx: Ctx, seed_path) -> dict:
 
 
 def run(ops=None, mode="full", out_json=None, seed_path=None, check=True, budget_s=None, device=None,
-        verbose=True, cases=None, impls=None) -> dict:
+        verbose=True, cases=None, impls=None, profile=False) -> dict:
     """Run the benchmarks; returns the result document (also written to ``out_json``).
     ``cases`` / ``impls``: run only these units (``build_plan``); the document records the
-    filter in ``meta["filter"]``, and ``merge_results.py`` refuses such a partial document."""
+    filter in ``meta["filter"]``, and ``merge_results.py`` refuses such a partial document.
+    ``profile``: no timing, each unit's call once between profiler start / stop (``Ctx.run``)."""
     t_start = time.time()
     log = print if verbose else (lambda *a, **k: None)
     ops = list(ops) if ops else list(OPS)
@@ -639,6 +660,7 @@ def run(ops=None, mode="full", out_json=None, seed_path=None, check=True, budget
     seed, seed_err = load_seed(seed_path)
     ctx = Ctx(mode, device, seed, seed_err, check, None if budget_s is None else t_start + budget_s)
     ctx.seed_path = str(seed_path) if seed_path else None
+    ctx.profile = profile
     if seed_err:
         log(f"WARNING: {seed_err}; seed columns will be errors", flush=True)
     modules = {}
@@ -678,6 +700,7 @@ def run(ops=None, mode="full", out_json=None, seed_path=None, check=True, budget
     plan = build_plan(list(modules), mode, modules, cases, impls)
     if cases or impls:
         doc["meta"]["filter"] = {"cases": cases, "impls": sorted(impls) if impls else None}
+    doc["meta"]["profile"] = profile
     execute(ctx, plan, modules, sink, log)
     if not (ctx.cuda and not cuda_alive()):
         try:

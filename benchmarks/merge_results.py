@@ -17,6 +17,8 @@ import sys
 
 
 def merge(full: dict, part: dict, ops: set) -> dict:
+    if part["meta"].get("profile"):
+        raise SystemExit("the partial run is a profiling run (--profile): it has no timings")
     if part["meta"].get("filter"):
         raise SystemExit(f"the partial run ran a subset of its ops' cases / impls ({part['meta']['filter']}): "
                          "it cannot replace an op family")

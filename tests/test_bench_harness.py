@@ -235,3 +235,28 @@ def test_case_and_impl_filters(tmp_path, capsys):
     with pytest.raises(SystemExit, match="subset"):
         _load("merge_results").merge(doc, doc, {"expand"})
 
+
+
+def test_profile_mode_runs_each_unit_without_timing(tmp_path, monkeypatch):
+    """``--profile``: every selected unit runs (warm-up + the profiled call), nothing is timed,
+    the document says so and cannot be merged into a results file."""
+    monkeypatch.setenv("KPOOL_BACKEND", "torch")
+    calls = []
+    h = bench.harness()
+    orig = h.Ctx.run
+
+    def spy(self, fn, make_set, **kw):
+        calls.append(self.profile)
+        return orig(self, lambda *a: (calls.append("call"), fn(*a)), make_set, **kw)
+
+    monkeypatch.setattr(h.Ctx, "run", spy)
+    doc = bench.run_benchmarks(ops=["expand"], dry_run=True, device="cpu", verbose=False, impls=["ours"],
+                               seed_path=str(tmp_path / "missing_seed.py"), profile=True)
+    assert doc["meta"]["profile"] is True
+    n = len(doc["results"])
+    assert n > 0 and calls == [True, "call", "call"] * n
+    for r in doc["results"]:
+        assert r["status"] == "ok" and r["us"] is None and r["timing"].startswith("profiled"), r
+        assert "gbps" not in r and all(t["ok"] is None for t in r.get("targets", []))
+    with pytest.raises(SystemExit, match="profiling run"):
+        _load("merge_results").merge(doc, doc, {"expand"})

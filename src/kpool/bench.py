@@ -8,7 +8,7 @@ Usage::
 
     python -m kpool.bench [--quick | --dry-run] [--ops compress,decode,...] [--out PATH|auto]
                           [--seed-path PATH] [--no-check] [--budget-s S]
-                          [--cases REGEX] [--impls ours,seed,...] [--list]
+                          [--cases REGEX] [--impls ours,seed,...] [--list] [--profile]
 
 ``--out auto`` writes ``benchmarks/results/<gpu>.json``. ``--dry-run`` uses tiny sizes on
 the CPU (Triton's interpreter) or GPU to exercise every code path; its timings mean
@@ -16,6 +16,10 @@ nothing. ``--cases`` / ``--impls`` run a subset (an A/B of a few cases costs sec
 time instead of minutes); such a run cannot be merged into the results file. The seed
 module is loaded by path: ``--seed-path``, else ``$KPOOL_SEED_PATH``, else
 ``../shared/seed/seed_kpool.py``, else ``.seed/seed_kpool.py`` (repository root).
+
+``--profile`` times nothing: each selected unit runs once to warm up, then once between
+``cudaProfilerStart`` / ``Stop``, e.g. ``ncu --profile-from-start off --set full kpool bench
+--ops decode --cases "P=4 B=1024 next_n=4" --impls ours --profile``.
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ def _resolve_out(out_json):
 
 
 def run_benchmarks(ops=None, quick=False, out_json=None, seed_path=None, *, dry_run=False, check=True,
-                   budget_s=None, device=None, verbose=True, cases=None, impls=None) -> dict:
+                   budget_s=None, device=None, verbose=True, cases=None, impls=None, profile=False) -> dict:
     """Run the benchmarks and return the result document.
 
     Parameters
@@ -78,6 +82,7 @@ def run_benchmarks(ops=None, quick=False, out_json=None, seed_path=None, *, dry_
     budget_s : stop starting new measurements after this many seconds (the rest is recorded as skipped).
     cases : regular expression; only the cases whose label it matches (``re.search``).
     impls : iterable of implementation names (``ours``, ``seed``, ``torch``, ...); only those.
+    profile : no timing; one warm-up call, then one call between profiler start / stop per unit.
     """
     h = harness()
     mode = "dry" if dry_run else ("quick" if quick else "full")
@@ -89,7 +94,7 @@ def run_benchmarks(ops=None, quick=False, out_json=None, seed_path=None, *, dry_
     try:
         return h.run(ops=ops, mode=mode, out_json=_resolve_out(out_json), seed_path=seed_path, check=check,
                      budget_s=budget_s, device=device, verbose=verbose, cases=cases,
-                     impls=set(impls) if impls else None)
+                     impls=set(impls) if impls else None, profile=profile)
     finally:
         if saved is None:
             os.environ.pop("KPOOL_BACKEND", None)
@@ -111,6 +116,8 @@ def _parser():
     p.add_argument("--cases", default=None, help="regular expression: only the cases whose label matches")
     p.add_argument("--impls", default=None, help="comma-separated: only these implementations (ours,seed,torch,...)")
     p.add_argument("--list", action="store_true", help="list the planned measurements and exit")
+    p.add_argument("--profile", action="store_true",
+                   help="no timing: one call per unit between cudaProfilerStart/Stop (ncu --profile-from-start off)")
     return p
 
 
@@ -138,7 +145,7 @@ def main(argv=None) -> int:
             return 0
         doc = run_benchmarks(ops=ops, quick=args.quick, out_json=args.out, seed_path=args.seed_path,
                              dry_run=args.dry_run, check=not args.no_check, budget_s=args.budget_s,
-                             device=args.device, cases=args.cases, impls=impls)
+                             device=args.device, cases=args.cases, impls=impls, profile=args.profile)
     except ValueError as e:  # a bad --ops / --cases / --impls
         print(f"kpool bench: {e}", file=sys.stderr)
         return 2
