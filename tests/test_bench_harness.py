@@ -201,13 +201,14 @@ def test_merge_results_replaces_one_op_family(tmp_path):
     assert [m["commit"] for m in mr.merge(out, again, {"score"})["meta"]["merged"]] == ["ccccccc"]
 
 
-def test_case_and_impl_filters(tmp_path, capsys):
+def test_case_and_impl_filters(tmp_path, capsys, monkeypatch):
     """``--cases`` (a regular expression on the label) and ``--impls`` pick units; a name that
     is no implementation, or a filter that matches nothing, is an error naming it; a filtered
     run records its filter and cannot be merged into a results file."""
     h = bench.harness()
     mods = {op: h.load_op_module(op) for op in ("decode", "compress")}
-    plan = h.build_plan(["decode", "compress"], "full", mods, r"^P=4 B=1024 next_n=4$|P=16 pools=65536", {"ours", "seed"})
+    plan = h.build_plan(["decode", "compress"], "full", mods, r"^P=4 B=1024 next_n=4$|P=16 pools=65536",
+                        {"ours", "seed"})
     labels = [(op, mods[op].cases("full")[ci]["label"], impl) for op, ci, impl in plan]
     assert labels == [("decode", "P=4 B=1024 next_n=4", "ours"), ("decode", "P=4 B=1024 next_n=4", "seed"),
                       ("compress", "P=16 pools=65536", "ours"), ("compress", "P=16 pools=65536", "seed")]
@@ -222,19 +223,14 @@ def test_case_and_impl_filters(tmp_path, capsys):
     from kpool.cli import main as kpool_main  # the console script hands every option to kpool.bench
     assert kpool_main(["bench", "--list", "--ops", "decode", "--cases", "P=16 B=1024 next_n=4", "--impls", "ours"]) == 0
     assert capsys.readouterr().out.split() == ["decode", "P=16", "B=1024", "next_n=4", "ours"]
-    mp = pytest.MonkeyPatch()
-    mp.setenv("KPOOL_BACKEND", "torch")
-    try:
-        doc = bench.run_benchmarks(ops=["expand"], dry_run=True, device="cpu", verbose=False,
-                                   seed_path=str(tmp_path / "missing_seed.py"), cases="P=4", impls=["ours"])
-    finally:
-        mp.undo()
+    monkeypatch.setenv("KPOOL_BACKEND", "torch")
+    doc = bench.run_benchmarks(ops=["expand"], dry_run=True, device="cpu", verbose=False,
+                               seed_path=str(tmp_path / "missing_seed.py"), cases="P=4", impls=["ours"])
     assert {(r["case"], r["impl"]) for r in doc["results"]} == {
         (c["label"], "ours") for c in h.load_op_module("expand").cases("dry") if "P=4" in c["label"]}
     assert doc["meta"]["filter"] == {"cases": "P=4", "impls": ["ours"]}
     with pytest.raises(SystemExit, match="subset"):
         _load("merge_results").merge(doc, doc, {"expand"})
-
 
 
 def test_profile_mode_runs_each_unit_without_timing(tmp_path, monkeypatch):

@@ -7,8 +7,9 @@
   out, equal scores resolved to the lower pool id. Both backends (torch, Triton under the
   CPU interpreter) return identical rows.
 * Random schedules (hypothesis): prefill chunks, decode / verify steps, accept with rollback,
-  free and reuse of a request id, on a random pool size, head count, speculation depth, ``index_topk``, output width and
-  scoring budget; every ``topk_indices`` call checked as above, on both backends.
+  free and reuse of a request id, on a random pool size, head count, speculation depth,
+  ``index_topk``, output width and scoring budget; every ``topk_indices`` call checked as
+  above, on both backends.
 * Row structure at every position class (p mod P): no index above the row's position, the
   tail ``[(p+1)//P*P, p]`` in its columns, whole pools only, all visible pools in order when
   there are at most ``select_k``.
@@ -227,10 +228,11 @@ def _random_schedule(data, backend, monkeypatch):
     run = Run(pool=pool, page=8, heads=data.draw(st.sampled_from([16, 32]), label="H"), spec=spec,
               num_pages=24, max_requests=3, seed=data.draw(st.integers(0, 2**20), label="seed"))
     rng = random.Random(data.draw(st.integers(0, 2**32 - 1), label="schedule seed"))
-    max_tokens = 8 * 8 * pool  # 8 pages of pools per request, at most
+    room = 8 * 8 * pool - 3 * pool  # tokens a request may reach before a step: 8 pages of pools, at most
+    chunk = 5 * pool + 7  # longest prefill chunk
     decoded = set()
     for step in range(rng.randint(3, 6 if backend == "torch" else 4)):
-        live = [r for r in "abc" if r in run.keys and run.keys[r].shape[0] < max_tokens - 3 * pool]
+        live = [r for r in "abc" if r in run.keys and run.keys[r].shape[0] < room]
         op = rng.choice(["prefill"] * 2 + ["decode"] * 2 * bool(live) + ["accept"] * 2 * bool(decoded)
                         + ["free"] * bool(run.keys))
         if op == "free":  # the id comes back as a new request: nothing of the old one may show
@@ -240,14 +242,14 @@ def _random_schedule(data, backend, monkeypatch):
                 d.pop(r)
             decoded.discard(r)
             op, rids = "free + prefill", [r]
-            run.prefill({r: rng.randint(1, 5 * pool + 7)})
+            run.prefill({r: rng.randint(1, chunk)})
         elif op == "prefill":
             rids = rng.sample("abc", rng.randint(1, 3))
             lens = {}
             for r in rids:
                 have = run.keys[r].shape[0] if r in run.keys else 0
-                if have < max_tokens - 3 * pool:
-                    lens[r] = rng.randint(1, min(5 * pool + 7, max_tokens - 3 * pool - have))
+                if have < room:
+                    lens[r] = rng.randint(1, min(chunk, room - have))
             if not lens:
                 continue
             run.prefill(lens)
@@ -256,12 +258,12 @@ def _random_schedule(data, backend, monkeypatch):
             rids = rng.sample(live, rng.randint(1, len(live)))
             lens = {r: rng.randint(1, spec + 1) for r in rids}
             run.decode(lens)
-            decoded = (decoded - set(rids)) | {r for r in rids if lens[r] > 0}
+            decoded |= set(rids)
         else:
-            counts = {r: rng.randint(0, run.step[r][1]) for r in rng.sample(sorted(decoded), rng.randint(1, len(decoded)))}
+            rids = rng.sample(sorted(decoded), rng.randint(1, len(decoded)))
+            counts = {r: rng.randint(0, run.step[r][1]) for r in rids}
             run.accept(counts)
-            decoded -= set(counts)
-            rids = list(counts)
+            decoded -= set(rids)
         stepped = [r for r in rids if r in run.step]
         rids = rng.sample(stepped, rng.randint(1, len(stepped)))
         index_topk = pool * rng.choice([1, 2, 3, 5])
@@ -276,7 +278,6 @@ def _random_schedule(data, backend, monkeypatch):
         q, w = run.queries(sum(run.step[r][1] for r in rids))
         out = run.cache.topk_indices(rids, q, w, index_topk=index_topk, width=width)
         check_against_serving(run, rids, out, q, w, index_topk, width)
-    monkeypatch.delenv("KPOOL_LOGITS_BUDGET_MB", raising=False)
 
 
 def test_random_schedules_match_serving_reference(backend, monkeypatch):
