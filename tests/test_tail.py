@@ -249,6 +249,59 @@ def test_seed_request_across_program_boundary(backend, device):
         assert torch.equal(tail[block, 0, [p % ring for p in positions]].cpu(), batch.key[rows])
 
 
+def oracle_seed_valid_rule(tail, key, gate, tslot, kpool):
+    """The rule on the valid rows in order, whatever their blocks: the r-th valid row is
+    copied unless the (r + kpool)-th valid row is in the same block."""
+    ring = tail.shape[2]
+    n_ts = tail.shape[0] * ring
+    rows = [i for i, t in enumerate(tslot.tolist()) if 0 <= t < n_ts]
+    for r, i in enumerate(rows):
+        t = int(tslot[i])
+        if r + kpool < len(rows) and int(tslot[rows[r + kpool]]) // ring == t // ring:
+            continue
+        tail[t // ring, 0, t % ring] = key[i]
+        tail[t // ring, 1, t % ring] = gate[i]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_seed_interleaved_blocks_follow_the_valid_row_rule(seed, backend, device):
+    """Blocks that recur non-contiguously (A A B A C B ...) with padding between rows, over
+    several programs: row r is compared with the (r + kpool)-th valid row, not with "its
+    block's last kpool rows". Every (block, slot) is used once, so the bytes are defined."""
+    P, ring, nb = 4, 64, 5
+    g = torch.Generator().manual_seed(seed)
+    used = [0] * nb
+    ts = []
+    while len(ts) < 300:
+        if torch.rand((), generator=g) < 0.15:
+            ts.append(-1)
+            continue
+        b = int(torch.randint(nb, (), generator=g))
+        if used[b] < ring:
+            ts.append(b * ring + used[b])
+            used[b] += 1
+    tslot = torch.tensor(ts, dtype=torch.int64)
+    key = torch.randn((len(ts), D), generator=g).to(torch.bfloat16)
+    gate = torch.randn((len(ts), D), generator=g).to(torch.bfloat16)
+    base, tail = make_tail(nb, ring, device, seed)
+    want = base.clone()
+    kpool_seed_tail_cache(tail, key.to(device), gate.to(device), tslot.to(device), P)
+    oracle_seed_valid_rule(view_tail(want, nb, ring), key.to(device), gate.to(device), tslot, P)
+    assert_bytes_equal(base, want, "tail ring (whole buffer)")
+
+
+@pytest.mark.parametrize("P,ring", [(4, 8), (80, 160)], ids=["P4", "P80-look-ahead-beyond-own-rows"])
+def test_seed_long_padding_runs(P, ring, backend, device):
+    """Padding runs longer than a program's window (512 rows): at the start, inside a
+    request (its last P valid rows straddle 1,300 padding rows) and at the end, so the
+    look-ahead reads several further windows or reaches the end of the batch; P = 80
+    looks further ahead than a program's 64 rows."""
+    reqs = [(1, 0, 150), (0, 3, 2 * P + 5), (2, 7, 3)]
+    mid = 150 + P + 2  # inside request 1, fewer than P valid rows before its end
+    batch = Batch(reqs, ring, seed=P, pad_before=[0] * 700 + [mid] * 1300, n_pad_end=1200)
+    check_seed(batch, P, ring, device, 3)
+
+
 def test_seed_empty(backend, device):
     base, tail = make_tail(2, 4, device, 7)
     before = base.clone()

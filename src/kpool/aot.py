@@ -241,9 +241,9 @@ def _decode_specs(m):
 def _tail_specs(m):
     return {
         "_seed_tail_kernel": KernelSpec(
-            ptrs=dict(tail_ptr="bf16", key_ptr="bf16", g_ptr="bf16", ts_ptr="i64", take_ptr="i1"),
-            cross=(axis("RING", sorted({pr["RING"] for pr in pool_ring_axis()})),),
-            cycle=(int_ptr_axis("ts_ptr"),), fixed=dict(BT=m.BLOCK_TOKENS)),
+            ptrs=dict(tail_ptr="bf16", key_ptr="bf16", g_ptr="bf16", ts_ptr="i64", rank_ptr="i64"),
+            cross=([dict(KPOOL=pr["P"], RING=pr["RING"]) for pr in pool_ring_axis()],),
+            cycle=(int_ptr_axis("ts_ptr"),), fixed=dict(BT=m.BLOCK_TOKENS, W=m.WINDOW)),
         "_seed_requests_kernel": KernelSpec(
             ptrs=dict(tail_ptr="bf16", key_ptr="bf16", g_ptr="bf16", meta_ptr="i64"),
             cross=([dict(RING=pr["RING"], KEEP=pr["P"]) for pr in pool_ring_axis()],)),

@@ -1,7 +1,8 @@
 """Ring seeding from a prefill batch: each request's trailing tokens go into its tail ring.
 
 ``kpool_seed_tail_cache`` is the seed-compatible entry point (token-granular tail slots;
-a token is seeded when the token ``kpool`` rows ahead is in another ring block).
+a valid token is seeded unless the valid token ``kpool`` valid tokens later is in the same
+ring block): one kernel, each program packing the blocks of the valid rows after its own.
 ``seed_requests`` is the per-request form ``KPoolCache`` uses: one program per request,
 so the cost follows the number of requests, not of tokens.
 """
@@ -18,22 +19,53 @@ from .._checks import INT_DTYPES, check_head_dim, check_index_range, check_pool_
 from ..layout import HEAD_DIM
 from . import _jit, _pdl
 
-BLOCK_TOKENS = 64
+BLOCK_TOKENS = 64  # rows each program seeds
+WINDOW = 512  # tail slots a program reads per step: its own rows, then the rows after them
 
 
 @triton.jit
 def _seed_tail_kernel(tail_ptr, tail_block_stride, tail_head, key_ptr, key_stride, g_ptr, g_stride,
-                      ts_ptr, take_ptr, n_tokens, RING: tl.constexpr, BT: tl.constexpr,
+                      ts_ptr, rank_ptr, n_tokens, num_ring_slots,
+                      KPOOL: tl.constexpr, RING: tl.constexpr, BT: tl.constexpr, W: tl.constexpr,
                       PDL: tl.constexpr):
     _pdl.grid_dependency_sync(PDL)
-    # BT tokens per program; token i is copied where take[i] (see seed_rows)
-    i = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
-    d = tl.arange(0, 128)
-    live = i < n_tokens
-    take = live & (tl.load(take_ptr + i, mask=live, other=0) != 0)
-    ts = tl.where(take, tl.load(ts_ptr + i, mask=take, other=0).to(tl.int64), 0)
-    dst = (ts // RING) * tail_block_stride + (ts % RING) * 128
-    _jit.copy_rows_to_ring(tail_ptr, tail_head, dst, key_ptr, i * key_stride, g_ptr, i * g_stride, take, d)
+    # Program p seeds rows [p*BT, p*BT + BT). Valid rows (0 <= tslot < num_ring_slots) are
+    # ranked from 1 in order from the program's first row; the blocks of ranks 1 ..
+    # n_own + KPOOL are packed by rank into the program's scratch (BT + KPOOL entries at
+    # rank_ptr), reading W rows per step until that many are found or the batch ends. The
+    # valid row of rank r is seeded unless rank r + KPOOL exists and is in the same block.
+    pid = tl.program_id(0).to(tl.int64)
+    scratch = rank_ptr + pid * (BT + KPOOL)
+    w = tl.arange(0, W)
+    start = pid * BT
+    ts = tl.load(ts_ptr + start + w, mask=start + w < n_tokens, other=-1).to(tl.int64)
+    valid = (ts >= 0) & (ts < num_ring_slots)
+    n_own = tl.sum((valid & (w < BT)).to(tl.int32), axis=0)
+    if n_own > 0:
+        need = n_own + KPOOL
+        rank = tl.cumsum(valid.to(tl.int32), axis=0)
+        tl.store(scratch + rank - 1, ts // RING, mask=valid & (rank <= need))
+        have = tl.sum(valid.to(tl.int32), axis=0)
+        start += W
+        while (have < need) & (start < n_tokens):
+            ts = tl.load(ts_ptr + start + w, mask=start + w < n_tokens, other=-1).to(tl.int64)
+            valid = (ts >= 0) & (ts < num_ring_slots)
+            rank = have + tl.cumsum(valid.to(tl.int32), axis=0)
+            tl.store(scratch + rank - 1, ts // RING, mask=valid & (rank <= need))
+            have += tl.sum(valid.to(tl.int32), axis=0)
+            start += W
+        tl.debug_barrier()  # the packed blocks are written before they are read
+        i = pid * BT + tl.arange(0, BT)
+        slot = tl.load(ts_ptr + i, mask=i < n_tokens, other=-1).to(tl.int64)
+        mine = (slot >= 0) & (slot < num_ring_slots)
+        ahead = tl.cumsum(mine.to(tl.int32), axis=0) + KPOOL  # the rank KPOOL valid rows later
+        has_ahead = mine & (ahead <= tl.minimum(have, need))
+        same = has_ahead & (tl.load(scratch + ahead - 1, mask=has_ahead, other=-1) == slot // RING)
+        take = mine & ~same
+        slot = tl.where(take, slot, 0)
+        dst = (slot // RING) * tail_block_stride + (slot % RING) * 128
+        _jit.copy_rows_to_ring(tail_ptr, tail_head, dst, key_ptr, i * key_stride, g_ptr, i * g_stride, take,
+                               tl.arange(0, 128))
 
 
 @triton.jit
@@ -50,25 +82,6 @@ def _seed_requests_kernel(tail_ptr, tail_block_stride, tail_head, key_ptr, key_s
     n_keep = tl.load(meta_ptr + r * 4 + 3)
     _jit.seed_ring(tail_ptr, tail_block_stride, tail_head, key_ptr, key_stride, g_ptr, g_stride,
                    end_row, end_pos, block, n_keep, d, RING, KEEP)
-
-
-def seed_rows(tslot, ring, num_ring_slots, kpool):
-    """bool ``[n]``: the rows to seed (device ops, no host sync, graph-capturable).
-
-    The seed's rule on the batch with its padding removed: a valid row (``0 <= tslot <
-    num_ring_slots``) is seeded unless the valid row ``kpool`` valid rows later is in the same
-    block (``tslot // RING``). With each request's rows contiguous, that is its last ``kpool``
-    valid tokens, wherever padding sits.
-    """
-    ts = tslot.to(torch.int64)
-    n = ts.numel()
-    valid = (ts >= 0) & (ts < num_ring_slots)
-    block = torch.div(ts, ring, rounding_mode="floor")
-    rank = torch.cumsum(valid, 0) - 1  # rank among the valid rows
-    packed = torch.full((n + kpool + 1,), -1, dtype=torch.int64, device=ts.device)
-    packed.scatter_(0, torch.where(valid, rank, n + kpool), torch.where(valid, block, -1))  # block by rank
-    ahead = packed[(rank + kpool).clamp(0, n + kpool)]
-    return valid & (ahead != block)
 
 
 def kpool_seed_tail_cache(tail_kv_cache, key, gate_score, tslot, kpool, head_dim=HEAD_DIM):
@@ -99,12 +112,13 @@ def kpool_seed_tail_cache(tail_kv_cache, key, gate_score, tslot, kpool, head_dim
         return None
     if backend_for(device) == "torch":
         return reference.seed_tail(tail_kv_cache, key, gate_score, tslot, kpool)
-    ring_slots = tail_kv_cache.shape[0] * ring
-    take = seed_rows(tslot, ring, ring_slots, kpool)
-    _seed_tail_kernel[(triton.cdiv(n, BLOCK_TOKENS),)](
+    programs = triton.cdiv(n, BLOCK_TOKENS)
+    scratch = torch.empty(programs * (BLOCK_TOKENS + kpool), dtype=torch.int64, device=device)
+    _seed_tail_kernel[(programs,)](
         tail_kv_cache, tail_kv_cache.stride(0), tail_kv_cache.stride(1),
-        key, key.stride(0), gate_score, gate_score.stride(0), tslot.contiguous(), take, n,
-        RING=ring, BT=BLOCK_TOKENS, **pdl_launch(key.device),
+        key, key.stride(0), gate_score, gate_score.stride(0), tslot.contiguous(), scratch, n,
+        tail_kv_cache.shape[0] * ring,
+        KPOOL=kpool, RING=ring, BT=BLOCK_TOKENS, W=WINDOW, **pdl_launch(device),
     )
     return None
 
