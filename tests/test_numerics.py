@@ -93,6 +93,15 @@ def _rotate_kernel(x_ptr, o_ptr, n_rows, BN: tl.constexpr):
     tl.store(o_ptr + r[:, None] * 128 + d[None, :], _jit.rotate(x, BN), mask=m)
 
 
+@triton.jit
+def _pool_finish_kernel(acc_ptr, den_ptr, o_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    i = tl.reshape(i, (BLOCK // 128, 128))  # the [BN, 128] tiles of the pool writers
+    m = i < n
+    acc = tl.load(acc_ptr + i, mask=m, other=0.0)
+    tl.store(o_ptr + i, _jit.pool_finish(acc, tl.load(den_ptr + i, mask=m, other=1.0)), mask=m)
+
+
 def _run_elementwise(kernel, x, out_dtype, **meta):
     block = _block(x.device)
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
@@ -203,6 +212,51 @@ def test_bf16_round_matches_torch(device):
     assert not torch.isnan(got[~nan]).any()
     # the boundary set really contains ties that round both ways
     assert (_f32_bits(want) != _f32_bits(x) & -65536).any() and (want == x).any()
+
+
+def _pool_finish_cases():
+    """(acc, den) with den in [1, P] as in the pooling softmax: random quotients over a wide
+    range, quotients at and a few ulp around every kind of bf16 rounding midpoint (where a
+    quotient off by an ulp rounds the other way), exact ties (den = 1, 2, 4), specials."""
+    g = torch.Generator().manual_seed(12)
+    n = 1 << 18
+    den = 1 + 15 * torch.rand(n, generator=g)
+    acc = torch.randn(n, generator=g) * torch.exp2(torch.randint(-60, 60, (n,), generator=g).to(F32))
+    mid = _bits_to_f32((torch.randint(0x0080, 0x7F7F, (n,), generator=g).to(torch.int64) << 16) | 0x8000)
+    mid = mid * torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+    near = mid
+    step = torch.randint(-6, 7, (n,), generator=g)
+    for _ in range(6):  # walk each midpoint up to 6 ulp away
+        near = torch.where(step > 0, torch.nextafter(near, torch.full_like(near, math.inf)), near)
+        near = torch.where(step < 0, torch.nextafter(near, torch.full_like(near, -math.inf)), near)
+        step = step - step.sign()
+    den2 = 1 + 15 * torch.rand(n, generator=g)
+    ties = mid[:4096].repeat(3)
+    den3 = torch.tensor([1.0, 2.0, 4.0]).repeat_interleave(4096)
+    special = torch.tensor([0.0, -0.0, 1e-45, -3e-39, 1e-38, math.inf, -math.inf, math.nan, 3.4e38])
+    acc = torch.cat((acc, near * den2, ties * den3, special))
+    den = torch.cat((den, den2, den3, torch.tensor([1.0, 3.0, 1.5, 2.0, 3.0, 2.0, 1.0, 1.0, 1.25])))
+    return acc.to(F32), den.to(F32)
+
+
+def test_pool_finish_is_the_ieee_quotient_rounded_to_bf16(device):
+    """``_jit.pool_finish`` gives ``bf16(acc / den)`` with the IEEE quotient, bit for bit,
+    at and around the bf16 midpoints (a quotient off by one fp32 ulp fails here)."""
+    acc, den = _pool_finish_cases()
+    n = acc.numel()
+    block = _block(device)
+    got = torch.empty(n, dtype=F32, device=device)
+    _pool_finish_kernel[(triton.cdiv(n, block),)](acc.to(device), den.to(device), got, n, BLOCK=block,
+                                                   enable_fp_fusion=False)
+    got = got.cpu()
+    want = numerics.bf16_round(acc / den)
+    nan = torch.isnan(want)
+    assert int(nan.sum()) == 1 and torch.equal(torch.isnan(got), nan)
+    assert_bytes_equal(got[~nan], want[~nan], "pool_finish vs bf16(acc / den)")
+    # the midpoint cases do sit where an ulp decides: rounding a neighbour of the quotient differs
+    q = acc / den
+    off = numerics.bf16_round(torch.nextafter(q, torch.full_like(q, math.inf)))
+    assert int((off != want).sum()) > 10000
 
 
 # --- (c) exp ------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 ``kpool_seed_tail_cache`` is the seed-compatible entry point (token-granular tail slots;
 a valid token is seeded unless the valid token ``kpool`` valid tokens later is in the same
-ring block): one kernel, each program packing the blocks of the valid rows after its own.
+ring block): one kernel; with padding near a program's rows it ranks the valid rows after
+them through a scratch buffer.
 ``seed_requests`` is the per-request form ``KPoolCache`` uses: one program per request,
 so the cost follows the number of requests, not of tokens.
 """
@@ -24,48 +25,62 @@ WINDOW = 512  # tail slots a program reads per step: its own rows, then the rows
 
 
 @triton.jit
+def _same_block_ahead(ts_ptr, scratch, start, n_tokens, num_ring_slots, slot, mine,
+                      KPOOL: tl.constexpr, RING: tl.constexpr, W: tl.constexpr):
+    """[BT] bool: the valid row KPOOL valid rows after own row ``start + j`` (valid: ``mine``)
+    exists and is in the same block, for any padding. Valid rows are ranked from 1 from
+    ``start``; the blocks of ranks 1 .. n_own + KPOOL are packed by rank into ``scratch``
+    (BT + KPOOL entries), reading W rows per step until that many are found or the batch
+    ends (a program without valid rows reads one window)."""
+    w = tl.arange(0, W)
+    ts = tl.load(ts_ptr + start + w, mask=start + w < n_tokens, other=-1).to(tl.int64)
+    valid = (ts >= 0) & (ts < num_ring_slots)
+    n_own = tl.sum(mine.to(tl.int32), axis=0)
+    need = n_own + KPOOL
+    rank = tl.cumsum(valid.to(tl.int32), axis=0)
+    tl.store(scratch + rank - 1, ts // RING, mask=valid & (rank <= need))
+    have = tl.sum(valid.to(tl.int32), axis=0)
+    start += W
+    while (have < need) & (start < n_tokens) & (n_own > 0):
+        ts = tl.load(ts_ptr + start + w, mask=start + w < n_tokens, other=-1).to(tl.int64)
+        valid = (ts >= 0) & (ts < num_ring_slots)
+        rank = have + tl.cumsum(valid.to(tl.int32), axis=0)
+        tl.store(scratch + rank - 1, ts // RING, mask=valid & (rank <= need))
+        have += tl.sum(valid.to(tl.int32), axis=0)
+        start += W
+    tl.debug_barrier()  # the packed blocks are written before they are read
+    ahead = tl.cumsum(mine.to(tl.int32), axis=0) + KPOOL  # the rank KPOOL valid rows later
+    has_ahead = mine & (ahead <= tl.minimum(have, need))
+    return has_ahead & (tl.load(scratch + ahead - 1, mask=has_ahead, other=-1) == slot // RING)
+
+
+@triton.jit
 def _seed_tail_kernel(tail_ptr, tail_block_stride, tail_head, key_ptr, key_stride, g_ptr, g_stride,
                       ts_ptr, rank_ptr, n_tokens, num_ring_slots,
                       KPOOL: tl.constexpr, RING: tl.constexpr, BT: tl.constexpr, W: tl.constexpr,
                       PDL: tl.constexpr):
     _pdl.grid_dependency_sync(PDL)
-    # Program p seeds rows [p*BT, p*BT + BT). Valid rows (0 <= tslot < num_ring_slots) are
-    # ranked from 1 in order from the program's first row; the blocks of ranks 1 ..
-    # n_own + KPOOL are packed by rank into the program's scratch (BT + KPOOL entries at
-    # rank_ptr), reading W rows per step until that many are found or the batch ends. The
-    # valid row of rank r is seeded unless rank r + KPOOL exists and is in the same block.
+    # Program p seeds rows [p*BT, p*BT + BT): a valid row (0 <= tslot < num_ring_slots) is
+    # copied unless the valid row KPOOL valid rows later is in its block. Without padding
+    # in [p*BT, p*BT + BT + KPOOL) that row is row + KPOOL (two loads); else
+    # _same_block_ahead ranks the valid rows through the program's scratch.
     pid = tl.program_id(0).to(tl.int64)
-    scratch = rank_ptr + pid * (BT + KPOOL)
-    w = tl.arange(0, W)
-    start = pid * BT
-    ts = tl.load(ts_ptr + start + w, mask=start + w < n_tokens, other=-1).to(tl.int64)
-    valid = (ts >= 0) & (ts < num_ring_slots)
-    n_own = tl.sum((valid & (w < BT)).to(tl.int32), axis=0)
-    if n_own > 0:
-        need = n_own + KPOOL
-        rank = tl.cumsum(valid.to(tl.int32), axis=0)
-        tl.store(scratch + rank - 1, ts // RING, mask=valid & (rank <= need))
-        have = tl.sum(valid.to(tl.int32), axis=0)
-        start += W
-        while (have < need) & (start < n_tokens):
-            ts = tl.load(ts_ptr + start + w, mask=start + w < n_tokens, other=-1).to(tl.int64)
-            valid = (ts >= 0) & (ts < num_ring_slots)
-            rank = have + tl.cumsum(valid.to(tl.int32), axis=0)
-            tl.store(scratch + rank - 1, ts // RING, mask=valid & (rank <= need))
-            have += tl.sum(valid.to(tl.int32), axis=0)
-            start += W
-        tl.debug_barrier()  # the packed blocks are written before they are read
-        i = pid * BT + tl.arange(0, BT)
-        slot = tl.load(ts_ptr + i, mask=i < n_tokens, other=-1).to(tl.int64)
-        mine = (slot >= 0) & (slot < num_ring_slots)
-        ahead = tl.cumsum(mine.to(tl.int32), axis=0) + KPOOL  # the rank KPOOL valid rows later
-        has_ahead = mine & (ahead <= tl.minimum(have, need))
-        same = has_ahead & (tl.load(scratch + ahead - 1, mask=has_ahead, other=-1) == slot // RING)
-        take = mine & ~same
-        slot = tl.where(take, slot, 0)
-        dst = (slot // RING) * tail_block_stride + (slot % RING) * 128
-        _jit.copy_rows_to_ring(tail_ptr, tail_head, dst, key_ptr, i * key_stride, g_ptr, i * g_stride, take,
-                               tl.arange(0, 128))
+    i = pid * BT + tl.arange(0, BT)
+    slot = tl.load(ts_ptr + i, mask=i < n_tokens, other=-1).to(tl.int64)
+    mine = (slot >= 0) & (slot < num_ring_slots)
+    later = tl.load(ts_ptr + i + KPOOL, mask=i + KPOOL < n_tokens, other=-1).to(tl.int64)
+    later_valid = (later >= 0) & (later < num_ring_slots)
+    dense = (mine | (i >= n_tokens)) & (later_valid | (i + KPOOL >= n_tokens))
+    if (KPOOL <= BT) & (tl.min(dense.to(tl.int32), axis=0) == 1):
+        same = later_valid & (later // RING == slot // RING)
+    else:
+        same = _same_block_ahead(ts_ptr, rank_ptr + pid * (BT + KPOOL), pid * BT, n_tokens, num_ring_slots,
+                                 slot, mine, KPOOL, RING, W)
+    take = mine & ~same
+    slot = tl.where(take, slot, 0)
+    dst = (slot // RING) * tail_block_stride + (slot % RING) * 128
+    _jit.copy_rows_to_ring(tail_ptr, tail_head, dst, key_ptr, i * key_stride, g_ptr, i * g_stride, take,
+                           tl.arange(0, 128))
 
 
 @triton.jit
