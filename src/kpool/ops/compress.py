@@ -38,7 +38,9 @@ def _compress_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
     _pdl.grid_dependency_sync(PDL)
     # One program per BN pools; pool i's slot s is at k_ptr + i*k_pool_stride + s*k_slot_stride.
     i = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
-    d = tl.arange(0, 128)
+    # contiguity 4: the bf16 rows are loaded 4 dims per thread, the layout of the fp32 ape rows,
+    # so those need no shuffles (H200, P=4, 262,144 pools: 174.4 -> 169.9 us; P=16 unchanged)
+    d = tl.max_contiguous(tl.arange(0, 128), 4)
     live = i < n_pools
     x = _jit.pool_vector(k_ptr, g_ptr, i * k_pool_stride, i * g_pool_stride, k_slot_stride, g_slot_stride,
                          k_ptr, i, 0, i, i, ape_ptr, ape_stride, d, live, BN, P, P, False, False)
