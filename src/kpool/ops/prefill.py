@@ -44,11 +44,12 @@ def _prefill_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_b
     if pid < n_pool_programs:
         i = pid.to(tl.int64) * BN + tl.arange(0, BN)
         live = i < n_pools
+        dv = tl.max_contiguous(d, 4)  # as in _compress_kernel (H200, P=4: 47.97 -> 46.37 us)
         row = tl.load(pool_ptr + i * 2, mask=live, other=0)
         loc = tl.load(pool_ptr + i * 2 + 1, mask=live, other=-1)
         x = _jit.pool_vector(key_ptr, g_ptr, row * key_stride, row * g_stride, key_stride, g_stride,
-                             tail_ptr, row, 0, row, row, ape_ptr, ape_stride, d, live, BN, P, RING, False, False)
-        _jit.encode_and_store(kv_ptr, kv_f32_ptr, page_stride, x, loc, live & (loc >= 0) & (loc < num_slots), d,
+                             tail_ptr, row, 0, row, row, ape_ptr, ape_stride, dv, live, BN, P, RING, False, False)
+        _jit.encode_and_store(kv_ptr, kv_f32_ptr, page_stride, x, loc, live & (loc >= 0) & (loc < num_slots), dv,
                               BN, PAGE, PRESHUFFLE, FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)
     else:
         req = req_ptr + (pid - n_pool_programs).to(tl.int64) * _REQUEST_FIELDS
