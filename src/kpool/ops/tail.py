@@ -25,25 +25,26 @@ WINDOW = 512  # tail slots a program reads per step: its own rows, then the rows
 
 
 @triton.jit
+def _load_slots(ts_ptr, rows, n_tokens, num_ring_slots):
+    """Tail slots of ``rows`` (int64; -1 past the batch) and whether each is valid."""
+    ts = tl.load(ts_ptr + rows, mask=rows < n_tokens, other=-1).to(tl.int64)
+    return ts, (ts >= 0) & (ts < num_ring_slots)
+
+
+@triton.jit
 def _same_block_ahead(ts_ptr, scratch, start, n_tokens, num_ring_slots, slot, mine,
                       KPOOL: tl.constexpr, RING: tl.constexpr, W: tl.constexpr):
     """[BT] bool: the valid row KPOOL valid rows after own row ``start + j`` (valid: ``mine``)
     exists and is in the same block, for any padding. Valid rows are ranked from 1 from
     ``start``; the blocks of ranks 1 .. n_own + KPOOL are packed by rank into ``scratch``
     (BT + KPOOL entries), reading W rows per step until that many are found or the batch
-    ends (a program without valid rows reads one window)."""
+    ends (none when no own row is valid)."""
     w = tl.arange(0, W)
-    ts = tl.load(ts_ptr + start + w, mask=start + w < n_tokens, other=-1).to(tl.int64)
-    valid = (ts >= 0) & (ts < num_ring_slots)
     n_own = tl.sum(mine.to(tl.int32), axis=0)
     need = n_own + KPOOL
-    rank = tl.cumsum(valid.to(tl.int32), axis=0)
-    tl.store(scratch + rank - 1, ts // RING, mask=valid & (rank <= need))
-    have = tl.sum(valid.to(tl.int32), axis=0)
-    start += W
+    have = tl.full((), 0, tl.int32)
     while (have < need) & (start < n_tokens) & (n_own > 0):
-        ts = tl.load(ts_ptr + start + w, mask=start + w < n_tokens, other=-1).to(tl.int64)
-        valid = (ts >= 0) & (ts < num_ring_slots)
+        ts, valid = _load_slots(ts_ptr, start + w, n_tokens, num_ring_slots)
         rank = have + tl.cumsum(valid.to(tl.int32), axis=0)
         tl.store(scratch + rank - 1, ts // RING, mask=valid & (rank <= need))
         have += tl.sum(valid.to(tl.int32), axis=0)
@@ -66,10 +67,8 @@ def _seed_tail_kernel(tail_ptr, tail_block_stride, tail_head, key_ptr, key_strid
     # _same_block_ahead ranks the valid rows through the program's scratch.
     pid = tl.program_id(0).to(tl.int64)
     i = pid * BT + tl.arange(0, BT)
-    slot = tl.load(ts_ptr + i, mask=i < n_tokens, other=-1).to(tl.int64)
-    mine = (slot >= 0) & (slot < num_ring_slots)
-    later = tl.load(ts_ptr + i + KPOOL, mask=i + KPOOL < n_tokens, other=-1).to(tl.int64)
-    later_valid = (later >= 0) & (later < num_ring_slots)
+    slot, mine = _load_slots(ts_ptr, i, n_tokens, num_ring_slots)
+    later, later_valid = _load_slots(ts_ptr, i + KPOOL, n_tokens, num_ring_slots)
     dense = (mine | (i >= n_tokens)) & (later_valid | (i + KPOOL >= n_tokens))
     if (KPOOL <= BT) & (tl.min(dense.to(tl.int32), axis=0) == 1):
         same = later_valid & (later // RING == slot // RING)
