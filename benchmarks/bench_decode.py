@@ -11,6 +11,11 @@ the seed documents).
   seed at RING = P.
 * ``torch``: ``kpool.reference.decode_update`` is a per-token Python loop with host syncs;
   it is timed at batch 1 only (eager events), and not graph-captured.
+* ``movement``: a reference point, not an implementation: the step's data movement without
+  any pool work (each token's key and gate rows and its three mappings read, the rows
+  stored at their ring slots; no completion, no cache write), one program per request.
+  What ``ours`` costs above it is the completions (ring reads, pooling, encode, entry
+  writes). Its bytes are the ones it moves.
 
 Bytes: per token its key + gate read (512 B), three int32 mappings, its ring stash
 written (512 B); per completing token one 132-byte entry written plus the ring entries
@@ -20,12 +25,17 @@ its pool reads from before the step (512 B each); ``ape`` once. Computed from se
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+
+from kpool.ops import _pdl
 
 OP = "decode"
 TITLE = "decode / verify update (graph replay)"
 PAGE = 64
 HEAD = 128
 FP8 = torch.float8_e4m3fn
+_HEAD = tl.constexpr(HEAD)  # for @triton.jit code (a plain global is rejected by the compiler)
 TORCH_MAX_BATCH = 1
 CHECK_MAX_BATCH = 64
 
@@ -42,7 +52,7 @@ def cases(mode):
 
 
 def impls(case):
-    out = ["ours", "ours_ring2P", "seed"]
+    out = ["ours", "ours_ring2P", "seed", "movement"]
     if case["batch"] <= TORCH_MAX_BATCH:
         out.append("torch")
     return out
@@ -87,6 +97,46 @@ def count_bytes(inputs, p):
     return b * nn * (2 * 2 * HEAD * 2 + 12) + n_done * (HEAD + 4) + n_ring * 4 * HEAD + p * HEAD * 4, n_done
 
 
+@triton.jit
+def _movement_kernel(tail_ptr, tail_block_stride, tail_head, ts_ptr, loc_ptr, pos_ptr, key_ptr, g_ptr, next_n,
+                     NB: tl.constexpr, RING: tl.constexpr, PDL: tl.constexpr):
+    # One program per request: its tokens' mappings and rows in, the rows to ring slot
+    # pos % RING of block ts // RING out (where ts, pos >= 0). The pool slot is read as ours
+    # reads it; only a slot below -1 (none in these inputs) would skip a token.
+    _pdl.grid_dependency_sync(PDL)
+    j = tl.arange(0, NB)
+    live = j < next_n
+    row = tl.program_id(0).to(tl.int64) * next_n + j
+    ts = tl.load(ts_ptr + row, mask=live, other=-1).to(tl.int64)
+    loc = tl.load(loc_ptr + row, mask=live, other=-1)
+    pos = tl.load(pos_ptr + row, mask=live, other=-1).to(tl.int64)
+    d = tl.arange(0, _HEAD)
+    k = tl.load(key_ptr + row[:, None] * _HEAD + d[None, :], mask=live[:, None], other=0.0)
+    g = tl.load(g_ptr + row[:, None] * _HEAD + d[None, :], mask=live[:, None], other=0.0)
+    ok = (live & (ts >= 0) & (pos >= 0) & (loc >= -1))[:, None]
+    dst = tail_ptr + (tl.maximum(ts, 0) // RING) * tail_block_stride + (tl.maximum(pos, 0) % RING) * _HEAD
+    tl.store(dst[:, None] + d[None, :], k, mask=ok)
+    tl.store((dst + tail_head)[:, None] + d[None, :], g, mask=ok)
+
+
+def movement(kv_cache, tail, tslot, key, gate, ape, slot_mapping, positions, p):
+    """``movement``: the data movement of a step without pool work (module doc); the
+    arguments of ``kpool_decode_update_and_maybe_write_cache_batched`` (``key``/``gate``
+    contiguous, as ``make_inputs`` builds them)."""
+    from kpool._backend import backend_for, pdl_launch
+    b, nn = positions.shape
+    ring = tail.shape[2]
+    if backend_for(key.device) == "torch":
+        ts, pos = tslot.reshape(-1).long(), positions.reshape(-1).long()
+        ok = (ts >= 0) & (pos >= 0) & (slot_mapping.reshape(-1) >= -1)
+        blk, at = (ts // ring)[ok], (pos % ring)[ok]
+        tail[blk, 0, at] = key.reshape(-1, HEAD)[ok]
+        tail[blk, 1, at] = gate.reshape(-1, HEAD)[ok]
+        return
+    _movement_kernel[(b,)](tail, tail.stride(0), tail.stride(1), tslot, slot_mapping, positions, key, gate, nn,
+                           NB=triton.next_power_of_2(nn), RING=ring, num_warps=1, **pdl_launch(key.device))
+
+
 def bench(ctx, case, impl):
     import kpool
     from kpool import reference
@@ -103,6 +153,9 @@ def bench(ctx, case, impl):
     elif impl == "torch":
         def fn(*a):
             reference.decode_update(*a, p, FP8, "plain")
+    elif impl == "movement":
+        def fn(*a):
+            movement(*a, p)
     else:
         raise ValueError(impl)
     extra = {"ring": ring, "layout": "preshuffle" if impl == "seed" else "plain"}
@@ -119,6 +172,8 @@ def bench(ctx, case, impl):
                                 f"{dt} ring elements differ")
     first = make_inputs(ctx, b, nn, p, ring, 0)
     nbytes, n_done = count_bytes(first, p)
+    if impl == "movement":
+        nbytes, n_done = b * nn * (2 * 2 * HEAD * 2 + 12), 0
     alloc = sum(t.numel() * t.element_size() for t in first)
     del first
     extra["completions_per_call"] = n_done

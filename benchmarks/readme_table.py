@@ -23,7 +23,8 @@ PRIMARY = {"compress": ["ours"], "prefill": ["ours"], "expand": ["ours"], "seed_
 OP_NAMES = {"compress": "compress + write", "prefill": "prefill write (token-major)",
             "expand": "expand pools + append tail", "seed_tail": "ring seeding", "decode": "decode / verify update",
             "score": "score + select (indexer)"}
-IMPL_NAMES = {"ours": "ours", "ours_per_request": "ours (per request)", "ours_ring2P": "ours, RING=2P"}
+IMPL_NAMES = {"ours": "ours", "ours_per_request": "ours (per request)", "ours_ring2P": "ours, RING=2P",
+              "movement": "data movement only"}
 
 
 def _f(x, spec):
@@ -108,6 +109,13 @@ def decode_table(doc) -> list[str]:
                 mark = " ❌" if False in ok else ""
                 cells.append(f"{m} / {s}{mark}")
             lines.append(f"| {p} | {nn} | {IMPL_NAMES.get(impl, impl)} | " + " | ".join(cells) + " |")
+    if any(r["impl"] == "movement" for r in recs):  # the step's data movement alone (bench_decode.movement)
+        for p, nn in rows:
+            cells = [_cell_us(idx.get(("decode", f"P={p} B={b} next_n={nn}", "movement"))) for b in batches]
+            lines.append(f"| {p} | {nn} | {IMPL_NAMES['movement']} | " + " | ".join(cells) + " |")
+        lines += ["", "*data movement only*: the step's rows and mappings read and the rows stored at their ring "
+                      "slots, with no pool work (`bench_decode.movement`): what ours costs above it is the "
+                      "completions."]
     return lines
 
 

@@ -75,7 +75,7 @@ def _fake_doc():
     mods = {op: h.load_op_module(op) for op in ("compress", "decode", "expand", "seed_tail", "prefill")}
     results = []
     fake_us = {"ours": 1.0, "ours_ring2P": 1.1, "ours_per_request": 0.5, "ours_gathered": 1.5, "seed": 2.5,
-               "seed_upstream": 6.0, "torch": 20.0}
+               "seed_upstream": 6.0, "torch": 20.0, "movement": 0.6}
     for op, mod in mods.items():
         for case in mod.cases("full"):
             scale = (case.get("pools") or case.get("rows") or case.get("tokens") or case.get("batch") * 1000) / 1e3
@@ -115,6 +115,9 @@ def test_readme_table_render_and_rewrite(tmp_path):
     assert "NVIDIA H200" in block and "4000 GB/s" in block
     assert "| compress + write | P=16 pools=262144 | ours |" in block
     assert "B=1024" in block and "ours, RING=2P" in block
+    assert "| 4 | 4 | data movement only | 0.60 | 38.4 | 153.6 | 614.4 |" in block  # fake µs: 0.6 x batch
+    no_movement = dict(doc, results=[r for r in doc["results"] if r["impl"] != "movement"])
+    assert "data movement only" not in rt.render(no_movement)
     assert "did not complete" in block  # the injected error is reported, not hidden
     assert "Scoring rate" not in block  # no record with a FLOP count
     rec = dict(doc["results"][0], op="score", case="prefill q=8 pools=96", impl="ours", status="ok",
@@ -134,6 +137,26 @@ def test_readme_table_render_and_rewrite(tmp_path):
     readme.write_text(once.replace(rt.END, ""))
     with pytest.raises(ValueError, match="only one of the markers"):
         rt.main([str(json_path), "--write", str(readme)])
+
+
+def test_decode_movement_writes_exactly_the_stash(backend):
+    """``bench_decode.movement`` (the decode table's data-movement reference point) stores
+    each token's key and gate rows at ring slot ``pos % RING`` of block ``ts // RING`` and
+    nothing else; padding tokens (negative position or tail slot) write nothing."""
+    import torch
+    bd, h = _load("bench_decode"), bench.harness()
+    ctx = h.Ctx("dry", "cpu")
+    for p, b, nn, ring in ((4, 5, 3, 4), (16, 3, 4, 16), (4, 3, 5, 8)):
+        kv, tail, ts, key, gate, ape, loc, pos = bd.make_inputs(ctx, b, nn, p, ring, 0)
+        pos[0, -1] = -1
+        ts[-1, 0] = -1
+        expect = tail.clone()
+        for r in range(b):
+            for j in range(nn):
+                if ts[r, j] >= 0 and pos[r, j] >= 0:
+                    expect[int(ts[r, j]) // ring, :, int(pos[r, j]) % ring] = torch.stack([key[r, j], gate[r, j]])
+        bd.movement(kv, tail, ts, key, gate, ape, loc, pos, p)
+        assert torch.equal(tail, expect), (backend, p, b, nn)
 
 
 def test_plot_series_groups_by_impl_and_fixed_params():
