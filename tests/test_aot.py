@@ -66,7 +66,7 @@ AOT_SPECS = {"_native_fp8_kernel": KernelSpec(
 
 # kernels with a NATIVE_FP8 choice: the fp8 writers (encoder) and the scorers (decoder)
 FP8_KERNELS = ("_compress_kernel", "_prefill_kernel", "_decode_update_kernel", "_fwht_quant_kernel",
-               "_paged_logits_kernel", "_ragged_logits_kernel", "_paged_topk_kernel")
+               "_paged_logits_kernel", "_ragged_logits_kernel", "_paged_topk_kernel", "_refine_kernel")
 FP8_MODULES = ["kpool.ops.compress", "kpool.ops.prefill", "kpool.ops.decode", "kpool.ops.quant", "kpool.ops.logits",
                "kpool.ops.score"]
 
@@ -204,6 +204,11 @@ def test_launch_options_the_launchers_use():
     warps = {j.options.get("num_warps") for j in jobs if j.kernel == "_decode_update_kernel"}
     assert warps == {decode.decode_warps(b, n) for b in (1, 1 << 20) for n in (1, 4)} == {1, 2, 4}
     assert {j.options.get("num_warps") for j in jobs if j.kernel == "_paged_topk_kernel"} == {score.NUM_WARPS}
+    # the filtering leaves (score.filters) and the exact ones, filtering only where it can be chosen
+    filt = {(j.constexprs["FILTER"], j.constexprs["FINAL"], j.constexprs["NT"] * j.constexprs["BN"] <= j.constexprs["KB"])
+            for j in jobs if j.kernel == "_paged_topk_kernel"}
+    assert (True, False, True) in filt and (False, False, True) in filt
+    assert not any(f and (final or not keeps_all) for f, final, keeps_all in filt)
     leaves = {(j.constexprs["KB"], j.constexprs["CHUNK"]) for j in jobs if j.kernel == "_chunk_topk_kernel"}
     assert any(c < kb for kb, c in leaves) and any(c >= kb for kb, c in leaves)
     assert min(c for _, c in leaves) == topk.MIN_CHUNK

@@ -9,7 +9,6 @@ H in {16, 32, 64}, leaves small enough for 10-12 per row (threshold selection), 
 
 import pytest
 import torch
-
 from kpool import reference
 from kpool.ops import score, topk
 from kpool.ops.logits import paged_pool_logits
@@ -145,3 +144,68 @@ def test_exactness_run_scoring_check_counts_differences(device, monkeypatch):
     gen = torch.Generator().manual_seed(6)
     diff, _ = exactness.check_scores(2, 300, 16, 16, torch.float8_e4m3fn, "plain", device, gen)
     assert diff == 1
+
+
+# --------------------------------------------------------------------------------------------
+# filter and refine (score.filters): approximate leaves, exact rescoring of the survivors
+# --------------------------------------------------------------------------------------------
+
+# leaves of 128 pools that keep all their keys (select_k 128), up to 18 per row; row lengths:
+# two long rows, a short one whose bound rank exceeds HEAD (every pool survives), padding, a
+# row under select_k, one at it
+FILTER_CASE = dict(batch=2, next_n=3, page=64, pages_per=36, select_k=128,
+                   lens=[2304, 2303, 300, 0, 1500, 128])
+
+
+def _filter_choices(monkeypatch):
+    """Record what ``score.filters`` decides for each leaf launch."""
+    used, real = [], score.filters
+
+    def spy(*args):
+        used.append(real(*args))
+        return used[-1]
+    monkeypatch.setattr(score, "filters", spy)
+    return used
+
+
+@pytest.mark.parametrize("heads, fp8_dtype, layout", [(16, FP8[0], "plain"), (32, FP8[1], "preshuffle"),
+                                                      (64, FP8[0], "plain")])
+def test_filter_selects_exactly(device, heads, fp8_dtype, layout, monkeypatch):
+    """Long rows are filtered (one fp16 MMA per tile, lower and upper keys) and their survivors
+    rescored exactly: the same ids as the exact reference, with a bad page (NaN: always a
+    survivor, ranked last) and pages repeated across leaves (exact ties)."""
+    monkeypatch.setenv("KPOOL_BACKEND", "triton")
+    monkeypatch.setenv(score.SCORER_ENV, "filter")
+    used = _filter_choices(monkeypatch)
+    run_case(device, heads=heads, fp8_dtype=fp8_dtype, layout=layout, seed=heads, bad_page=True, duplicate=True,
+             **FILTER_CASE)
+    assert used == [True]
+
+
+def test_filter_bounds_hold_under_the_whole_error_budget(device, monkeypatch):
+    """With a budget of 1/8 of each head's dot magnitude and every approximate logit moved by
+    0.9 of its bound (``FILTER_SHAKE``), the selection is still exact: the row bound comes from
+    lower keys, every pool whose upper key reaches it is rescored. A filter that took the bound
+    from upper keys, or bounds without the margin, fails here."""
+    monkeypatch.setenv("KPOOL_BACKEND", "triton")
+    monkeypatch.setenv(score.SCORER_ENV, "filter")
+    monkeypatch.setattr(score, "FILTER_ERROR", 2.0**-3)
+    monkeypatch.setattr(score, "FILTER_SHAKE", 0.9)
+    used = _filter_choices(monkeypatch)
+    for seed in (21, 22):
+        run_case(device, heads=16, fp8_dtype=FP8[0], seed=seed, **FILTER_CASE)
+    assert used == [True, True]
+
+
+def test_scorer_switch(device, monkeypatch):
+    """``$KPOOL_SCORER``: exact by default (and when set so), filter on request, else an error."""
+    monkeypatch.setenv("KPOOL_BACKEND", "triton")
+    monkeypatch.delenv(score.SCORER_ENV, raising=False)
+    used = _filter_choices(monkeypatch)
+    run_case(device, heads=16, fp8_dtype=FP8[0], seed=22, **FILTER_CASE)
+    monkeypatch.setenv(score.SCORER_ENV, "exact")
+    run_case(device, heads=16, fp8_dtype=FP8[0], seed=22, **FILTER_CASE)
+    assert used == [False, False]
+    monkeypatch.setenv(score.SCORER_ENV, "fast")
+    with pytest.raises(ValueError, match=score.SCORER_ENV):
+        score.scorer()

@@ -342,7 +342,7 @@ def _topk_specs(m):
         "_survivors_kernel": KernelSpec(
             ptrs=dict(cand_ptr="i64", lens_ptr="i32", surv_ptr="i64", count_ptr="i32"),
             cross=(_survivor_axis(m), axis("LB", (2, 256))),  # LB = next_pow2(leaves per row)
-            cycle=(int_ptr_axis("lens_ptr"), axis("lens_stride", (1, "i32")))),
+            cycle=(int_ptr_axis("lens_ptr"), axis("lens_stride", (1, "i32")), flag("FILTER"))),
         "_threshold_select_kernel": KernelSpec(
             ptrs=dict(surv_ptr="i64", count_ptr="i32", lens_ptr="i32", out_ptr="i32"),
             cross=(_kb_axis(),), cycle=(int_ptr_axis("lens_ptr"), axis("lens_stride", (1, "i32"))),
@@ -351,18 +351,33 @@ def _topk_specs(m):
     }
 
 
+def _filter_derive(m, c):
+    """NT, FILTER (only where ``score.filters`` can choose it: several leaves that keep all
+    their keys) and the register cap ``score.max_regs`` gives that launch."""
+    filt = c["_filter"] and not c["FINAL"] and c["_chunk"] <= c["KB"]
+    return dict(NT=c["_chunk"] // m.BLOCK_POOLS, FILTER=filt, _opt_maxnreg=m.max_regs(filt, c["ROWS"]))
+
+
 def _score_specs(m):
     from .ops.logits import SUPPORTED_HEADS
+    options = dict(enable_fp_fusion=False, num_warps=m.NUM_WARPS, maxnreg=m.MAX_REGS)
     return {"_paged_topk_kernel": KernelSpec(
         ptrs=dict(q_ptr="u8", w_ptr="fp32", lens_ptr="i64", pt_ptr="i32", kv_ptr="u8", kv_f32_ptr="fp32",
                   cand_ptr="i64", count_ptr="i32", out_ptr="i32", lut_ptr="i32"),
-        cross=(layout_axis(), fp8_axis("FNUZ"), axis("H", SUPPORTED_HEADS)),
+        cross=(layout_axis(), fp8_axis("FP8_MAX", "FNUZ"), axis("H", SUPPORTED_HEADS)),
         cycle=(_leaf_axis(m.BLOCK_POOLS, "_chunk"), flag("FINAL"), _PAGE, axis("next_n", (1, "i32")),
-               axis("ROWS", (1, m.MAX_ROWS)),
+               axis("ROWS", (1, m.MAX_ROWS)), flag("_filter"),
                int_ptr_axis("lens_ptr", "pt_ptr")),
-        derive=lambda c: dict(NT=c["_chunk"] // m.BLOCK_POOLS),
-        fixed=dict(BN=m.BLOCK_POOLS), target_derive=native_fp8_param,
-        options=dict(enable_fp_fusion=False, num_warps=m.NUM_WARPS, maxnreg=m.MAX_REGS))}
+        # FILTER only where score.filters can choose it: several leaves that keep all their keys
+        derive=lambda c: _filter_derive(m, c),
+        fixed=dict(BN=m.BLOCK_POOLS, ERROR=m.FILTER_ERROR, SHAKE=m.FILTER_SHAKE), target_derive=native_fp8_param,
+        options=options),
+        "_refine_kernel": KernelSpec(
+            ptrs=dict(q_ptr="u8", w_ptr="fp32", pt_ptr="i32", kv_ptr="u8", kv_f32_ptr="fp32", surv_ptr="i64",
+                      count_ptr="i32", lut_ptr="i32"),
+            cross=(layout_axis(), fp8_axis("FNUZ"), axis("H", SUPPORTED_HEADS)),
+            cycle=(_PAGE, axis("next_n", (1, "i32")), int_ptr_axis("pt_ptr")),
+            fixed=dict(BN=m.BLOCK_POOLS), target_derive=native_fp8_param, options=options)}
 
 
 SPECS = {  # module (relative to kpool) -> builder

@@ -65,3 +65,18 @@ def fp8_halves(code, table_ptr, FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
         t = tl.load(table_ptr + code.to(tl.int32))
         hi = t.to(tl.int16).to(tl.float16, bitcast=True)
         return hi, (t >> 16).to(tl.int16).to(tl.float16, bitcast=True), hi != hi
+
+
+@triton.jit
+def fp8_values(code, table_ptr, FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
+    """uint8 e4m3 codes -> ``(value, nan)``: the code's value in fp16 (exact) and a NaN flag,
+    by the target's conversion where it has one, else as ``hi + lo`` of ``fp8_halves``."""
+    if NATIVE_FP8:
+        if FNUZ:
+            x = code.to(tl.float8e4b8, bitcast=True).to(tl.float16)
+        else:
+            x = code.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        return x, x != x
+    else:
+        hi, lo, nan = fp8_halves(code, table_ptr, FNUZ, NATIVE_FP8)
+        return hi + lo, nan

@@ -163,6 +163,56 @@ def block_logits(q, q_nan, w, codes, kscale, lut_ptr, BN: tl.constexpr, H: tl.co
     return tl.reshape(_head_tree(tl.reshape(r * w[None, :], (BN * R, H)), BN * R, H), (BN, R))
 
 
+L1_ROUND_UP = tl.constexpr(1.0 + 2.0**-10)  # > (1 + 2^-24)^128: fp32 summation error of 128 terms
+
+
+@triton.jit
+def query_values(q):
+    """``query_halves``' halves ``(a_hi, a_lo, b_hi, b_lo)`` -> the codes' values ``(a, b)``
+    in fp16 (``hi + lo`` is exact) and each column's l1 norm ``[N]`` fp32 (rounded up by at
+    most 2^-10 of it: the 128 magnitudes are summed in fp32, then scaled)."""
+    a = q[0] + q[1]
+    b = q[2] + q[3]
+    l1 = tl.sum(tl.abs(a.to(tl.float32)), axis=0) + tl.sum(tl.abs(b.to(tl.float32)), axis=0)
+    return (a, b), l1 * L1_ROUND_UP
+
+
+@triton.jit
+def approx_block_logits(q16, q_nan, w, codes, kscale, lut_ptr, BN: tl.constexpr, H: tl.constexpr,
+                        R: tl.constexpr, FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
+    """``block_logits`` from one fp16 MMA of the codes' values (``query_values``): every
+    product is exact, only the MMA's fp32 accumulation and the epilogue round. ``[BN, R]``."""
+    ka, a_nan = _jit_fp8.fp8_values(codes[0], lut_ptr, FNUZ, NATIVE_FP8)
+    kb, b_nan = _jit_fp8.fp8_values(codes[1], lut_ptr, FNUZ, NATIVE_FP8)
+    k_nan = tl.max((a_nan | b_nan).to(tl.int32), axis=1) > 0
+    dot = tl.dot(ka, q16[0], tl.dot(kb, q16[1]))  # [BN, R * H]
+    nan = k_nan[:, None] | q_nan[None, :]
+    s = tl.where(nan, float("nan"), dot) * kscale[:, None]
+    r = tl.where(s < 0, 0.0, s)
+    return tl.reshape(_head_tree(tl.reshape(r * w[None, :], (BN * R, H)), BN * R, H), (BN, R))
+
+
+@triton.jit
+def logit_error_scale(w, q_l1, H: tl.constexpr, R: tl.constexpr, FP8_MAX: tl.constexpr, ERROR: tl.constexpr):
+    """Per row ``[R]``: ``E`` such that ``|approx - exact| <= E * kscale`` for every pool of
+    the row: ``ERROR * sum_h |w_h| * ||q_h||_1 * FP8_MAX`` (``ERROR``: the relative budget of
+    one head's dot, ``score.FILTER_ERROR``)."""
+    t = tl.reshape(tl.abs(w) * q_l1, (R, H))
+    return tl.sum(t, axis=1) * (FP8_MAX * ERROR)
+
+
+@triton.jit
+def bound_keys(a, e, j, vis):
+    """Lower and upper ranking keys (``topk.pool_keys``) of approximate logits ``a`` with
+    error bound ``e`` (same shape): ``a - e`` and ``a + e`` where both are finite; else the
+    lowest key (NaN) and the highest finite-score key (+inf), so that such a pool always
+    survives the filter and never raises the bound."""
+    fin = (tl.abs(a) < float("inf")) & (e < float("inf"))
+    lo = tl.where(fin, a - e, float("nan"))
+    hi = tl.where(fin, a + e, float("inf"))
+    return topk.pool_keys(lo, j, vis), topk.pool_keys(hi, j, vis)
+
+
 @triton.jit
 def paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_row_ptr, pt_sp, j0, n_vis,
                PAGE: tl.constexpr, BN: tl.constexpr, PRESHUFFLE: tl.constexpr):
@@ -184,15 +234,28 @@ def paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_row_ptr, pt_sp, j0
         base = tl.where(on_page, pg, 0) * page_stride  # scalar page byte offset
         state = (j0 % PAGE).to(tl.int32) + tl.arange(0, BN)
         kscale = tl.load(kv_f32_ptr + (base + PAGE * 128) // 4 + state, mask=ok, other=0.0)
-        row_base = base
+        rows = kv_ptr + base
+        codes = (tl.load(rows + _jit.key_offset(state[:, None], d[None, :], PRESHUFFLE), mask=ok[:, None], other=0),
+                 tl.load(rows + _jit.key_offset(state[:, None], 64 + d[None, :], PRESHUFFLE), mask=ok[:, None],
+                         other=0))
     else:
-        pg = tl.load(pt_row_ptr + (j // PAGE) * pt_sp, mask=j < n_vis, other=-1).to(tl.int64)
-        ok = (j < n_vis) & (pg >= 0) & (pg < num_pages)
-        base = tl.where(ok, pg, 0) * page_stride  # [BN] page byte offsets
-        state = j % PAGE
-        kscale = tl.load(kv_f32_ptr + (base + PAGE * 128) // 4 + state, mask=ok, other=0.0)
-        row_base = base[:, None]
-    rows = kv_ptr + row_base
+        codes, kscale, ok = pool_entries(kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_row_ptr, pt_sp, j,
+                                         j < n_vis, PAGE, PRESHUFFLE)
+    return codes, kscale, ok
+
+
+@triton.jit
+def pool_entries(kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_row_ptr, pt_sp, j, vis,
+                 PAGE: tl.constexpr, PRESHUFFLE: tl.constexpr):
+    """``paged_tile``'s result for any pool ids ``j`` (int64 ``[BN]``) where ``vis``: a page
+    lookup per pool; ``ok`` = ``vis`` and on a page inside ``[0, num_pages)``."""
+    d = tl.arange(0, 64)
+    pg = tl.load(pt_row_ptr + (j // PAGE) * pt_sp, mask=vis, other=-1).to(tl.int64)
+    ok = vis & (pg >= 0) & (pg < num_pages)
+    base = tl.where(ok, pg, 0) * page_stride  # [BN] page byte offsets
+    state = j % PAGE
+    kscale = tl.load(kv_f32_ptr + (base + PAGE * 128) // 4 + state, mask=ok, other=0.0)
+    rows = kv_ptr + base[:, None]
     codes = (tl.load(rows + _jit.key_offset(state[:, None], d[None, :], PRESHUFFLE), mask=ok[:, None], other=0),
              tl.load(rows + _jit.key_offset(state[:, None], 64 + d[None, :], PRESHUFFLE), mask=ok[:, None], other=0))
     return codes, kscale, ok

@@ -10,9 +10,30 @@ once for the program's rows (verify steps and prefill chunks have several rows p
 leaf's ``KB`` best (``topk.store_leaf``); rows with several leaves finish in
 ``topk.threshold_select``. A row that sees at most ``select_k`` pools scores nothing. Same
 bytes as ``select_pools(paged_pool_logits(...))`` on every backend.
+
+Filter and refine (``filters``; opt-in with ``$KPOOL_SCORER=filter``; default ``exact``: the
+filter is checked in the interpreter lane and compiles for every target, but has not been
+timed or checked at scale on a GPU yet, benchmarks/NOTES.md): when the
+leaves keep all their keys and a row has enough of them that its bound rank is at most
+``topk.HEAD`` (long rows: at select_k 512, from 32 wholly visible leaves up, e.g. 16,384 pools),
+the leaves score with one fp16 MMA of the codes' values (``logits.approx_block_logits``: the
+products are exact, the MMA's accumulation is not) instead of the exact dot, and keep two
+keys per pool: ``a - E * kscale`` and ``a + E * kscale`` (``logits.bound_keys``), with ``E``
+per row from ``FILTER_ERROR`` (``logits.logit_error_scale``). The row bound comes from the
+lower keys, so at least ``select_k`` pools score at or above it exactly; the survivors are
+the pools whose upper key reaches it, a superset of the exact selection; ``_refine_kernel``
+replaces their keys by the exact ones (``paged_tile_logits`` on the gathered entries) and
+the selection runs on those. The result is the exact selection as long as the MMA's error
+stays within the budget: ``FILTER_ERROR = 2^-14`` of ``||q_h||_1 * FP8_MAX`` per head, where
+the H200's fp16 MMA measured 2^-20 of ``sum |q_d k_d|`` (benchmarks/NOTES.md). That is
+measured hardware behaviour, not a documented guarantee: check it on a GPU before relying
+on it there (``python -m kpool.exactness --ops score`` with ``KPOOL_SCORER=filter``). Rows of the same launch that are too short for the bound
+keep every pool as a survivor (all rescored exactly).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -21,14 +42,24 @@ import triton.language as tl
 from .. import reference
 from .._backend import backend_for, pdl_launch, register_cap
 from .._checks import check_positive_int
+from ..layout import fp8_max
 from . import _pdl, topk
 from ._jit_fp8 import halves_table
-from .logits import check_paged_args, decode_args, paged_tile, paged_tile_logits, query_halves
+from .logits import (approx_block_logits, bound_keys, check_paged_args, decode_args, logit_error_scale,
+                     paged_tile, paged_tile_logits, pool_entries, query_halves, query_values)
 
 BLOCK_POOLS = 64  # pools per scoring tile: the MMA's M (one wgmma warpgroup on Hopper)
 NUM_WARPS = 4
 MAX_REGS = 168  # CUDA register cap: 3 programs per SM instead of 2 (H200: 32 x 128K -10%, 128 x 1M -11%)
 PIPELINE_STAGES = tl.constexpr(2)  # tiles in flight in the leaf loop (tl.range's software pipelining)
+SCORER_ENV = "KPOOL_SCORER"
+# The filter's error budget: the fp16 MMA's dot of one head is taken to be within
+# FILTER_ERROR * ||q_h||_1 * FP8_MAX of the exact one (the H200 measured 2^-20 of sum |q_d k_d|,
+# 15th session; 2^-14 also covers the rounding of the epilogue and of the bounds).
+FILTER_ERROR = 2.0**-14
+FILTER_SHAKE = 0.0  # tests only: move each approximate logit by this fraction of its bound
+FILTER_MAX_REGS = 128  # one-row filtering leaves (max_regs); not timed yet
+REFINE_PROGRAMS_PER_SM = 4  # refine grid target (refine_programs)
 MAX_ROWS = 2  # query rows of one request per program (H200, verify 32 x 128K x 4 / prefill 8192 x 32K:
 #               1 row 1,092 us / 69.2 ms, 2 rows 866 / 54.9; 4 rows 1,225 / 69.0, 960 / 57.6 uncapped: spills)
 
@@ -39,7 +70,8 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
                        cand_ptr, count_ptr, out_ptr, out_stride, vis_limit, next_n, select_k, n_chunks, lut_ptr,
                        PAGE: tl.constexpr, BN: tl.constexpr, NT: tl.constexpr, KB: tl.constexpr, H: tl.constexpr,
                        ROWS: tl.constexpr, PRESHUFFLE: tl.constexpr, FINAL: tl.constexpr, FNUZ: tl.constexpr,
-                       NATIVE_FP8: tl.constexpr, PDL: tl.constexpr):
+                       NATIVE_FP8: tl.constexpr, FILTER: tl.constexpr, FP8_MAX: tl.constexpr, ERROR: tl.constexpr,
+                       SHAKE: tl.constexpr, PDL: tl.constexpr):
     _pdl.grid_dependency_sync(PDL)
     # Program (group, chunk): rows b * next_n + t for t in [t0, t0 + ROWS) of one request b
     # (same page table), pools [chunk * NT * BN, (chunk + 1) * NT * BN): each key tile is
@@ -62,8 +94,12 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
         q, q_nan = query_halves(q_rows[None, :] + tl.arange(0, 64)[:, None], q_live[None, :], lut_ptr, FNUZ,
                                 NATIVE_FP8)
         w = tl.load(w_ptr + b * w_sb + (t0 + c // H) * w_sn + (c % H) * w_sh, mask=q_live, other=0.0)
+        if FILTER:  # keys = lower bounds, keys_hi = upper bounds of the exact keys (module docstring)
+            q16, q_l1 = query_values(q)
+            err = logit_error_scale(w, q_l1, H, ROWS, FP8_MAX, ERROR)  # [ROWS]
         tiles = tl.arange(0, NT)
         keys = tl.full((NT, BN, ROWS), topk.NO_KEY, tl.int64)  # INT64_MIN = not seen
+        keys_hi = tl.full((NT, BN, ROWS), topk.NO_KEY, tl.int64)
         pt_row = pt_ptr + b * pt_sb
         j0 = chunk * NT * BN  # first pool of the tile
         j = j0 + tl.arange(0, BN)
@@ -75,24 +111,94 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
                                            PAGE, BN, PRESHUFFLE)
             if (chunk * NT + i) * BN < n_max:
                 seen = j[:, None] < n_vis[None, :]  # [BN, ROWS]
-                x = paged_tile_logits(q, q_nan, w, codes, kscale, ok, seen, lut_ptr, BN, H, ROWS, FNUZ,
-                                      NATIVE_FP8)
-                keys = tl.where(tiles[:, None, None] == i, topk.pool_keys(x, j[:, None], seen)[None, :, :], keys)
+                if FILTER:
+                    a = approx_block_logits(q16, q_nan, w, codes, kscale, lut_ptr, BN, H, ROWS, FNUZ, NATIVE_FP8)
+                    a = tl.where(seen, tl.where(ok[:, None], a, float("nan")), float("-inf"))
+                    e = kscale[:, None] * err[None, :]
+                    if SHAKE != 0.0:  # test hook (FILTER_SHAKE): a within its bound, up or down by the id
+                        a += tl.where(((j * 2654435761) >> 11) % 2 == 0, SHAKE, -SHAKE)[:, None] * e
+                    lo, hi = bound_keys(a, e, j[:, None], seen)
+                    keys = tl.where(tiles[:, None, None] == i, lo[None, :, :], keys)
+                    keys_hi = tl.where(tiles[:, None, None] == i, hi[None, :, :], keys_hi)
+                else:
+                    x = paged_tile_logits(q, q_nan, w, codes, kscale, ok, seen, lut_ptr, BN, H, ROWS, FNUZ,
+                                          NATIVE_FP8)
+                    keys = tl.where(tiles[:, None, None] == i, topk.pool_keys(x, j[:, None], seen)[None, :, :],
+                                    keys)
             j0 += BN
             j += BN
         for r in tl.static_range(ROWS):
             if t0 + r < next_n:
                 mine = tl.max(tl.where(rr[None, None, :] == r, keys, topk.NO_KEY), axis=2)  # [NT, BN]
                 row = b * next_n + t0 + r
-                topk.store_leaf(tl.reshape(mine, (NT * BN,)),
-                                topk.leaf_list(cand_ptr, row * n_chunks + chunk, NT * BN, KB),
-                                out_ptr + row * out_stride, tl.max(tl.where(rr == r, n_vis, 0)), select_k,
-                                NT * BN, KB, FINAL)
+                lst = topk.leaf_list(cand_ptr, row * n_chunks + chunk, NT * BN, KB)
+                n_row = tl.max(tl.where(rr == r, n_vis, 0))
+                if FILTER:
+                    mine_hi = tl.max(tl.where(rr[None, None, :] == r, keys_hi, topk.NO_KEY), axis=2)
+                    topk.store_leaf_bounds(tl.reshape(mine, (NT * BN,)), tl.reshape(mine_hi, (NT * BN,)), lst,
+                                           n_row, select_k, NT * BN, KB)
+                else:
+                    topk.store_leaf(tl.reshape(mine, (NT * BN,)), lst, out_ptr + row * out_stride, n_row, select_k,
+                                    NT * BN, KB, FINAL)
     elif FINAL:
         for r in tl.static_range(ROWS):
             if t0 + r < next_n:
                 topk.emit_in_order(out_ptr + (b * next_n + t0 + r) * out_stride,
                                    tl.max(tl.where(rr == r, n_vis, 0)), select_k, KB)
+
+
+@triton.jit
+def _refine_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, pt_ptr, pt_sb, pt_sp,
+                   kv_ptr, kv_f32_ptr, page_stride, num_pages, surv_ptr, n_surv, count_ptr, next_n, lut_ptr,
+                   PAGE: tl.constexpr, BN: tl.constexpr, H: tl.constexpr, PRESHUFFLE: tl.constexpr,
+                   FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr, PDL: tl.constexpr):
+    _pdl.grid_dependency_sync(PDL)
+    # Program (row, g): the row's survivors surv[row, :count[row]] (upper-bound keys of visible
+    # pools) in tiles of BN, every G-th tile from g: each pool's exact logit
+    # (paged_tile_logits, the row's query alone) and its exact key, written in place.
+    row = tl.program_id(0).to(tl.int64)
+    b = row // next_n
+    t = row % next_n
+    cnt = tl.load(count_ptr + row)
+    if cnt > 0:
+        hh = tl.arange(0, H)
+        q, q_nan = query_halves(q_ptr + b * q_sb + t * q_sn + hh[None, :] * q_sh + tl.arange(0, 64)[:, None], None,
+                                lut_ptr, FNUZ, NATIVE_FP8)
+        w = tl.load(w_ptr + b * w_sb + t * w_sn + hh * w_sh)
+        base = surv_ptr + row * n_surv
+        for tile in range(tl.program_id(1), tl.cdiv(cnt, BN), tl.num_programs(1)):
+            i = tile * BN + tl.arange(0, BN)
+            live = i < cnt
+            j = topk.key_ids(tl.load(base + i, mask=live, other=topk.NO_KEY))
+            codes, kscale, ok = pool_entries(kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_ptr + b * pt_sb, pt_sp,
+                                             j, live, PAGE, PRESHUFFLE)
+            x = paged_tile_logits(q, q_nan, w, codes, kscale, ok, live[:, None], lut_ptr, BN, H, 1, FNUZ, NATIVE_FP8)
+            tl.store(base + i, topk.pool_keys(tl.reshape(x, (BN,)), j, live), mask=live)
+
+
+def scorer() -> str:
+    """``$KPOOL_SCORER``: ``exact`` (default) or ``filter`` (module docstring)."""
+    choice = os.environ.get(SCORER_ENV, "exact").strip().lower() or "exact"
+    if choice not in ("filter", "exact"):
+        raise ValueError(f"{SCORER_ENV} must be 'filter' or 'exact', got {choice!r}")
+    return choice
+
+
+def filters(chunk: int, kb: int, n_chunks: int, n_cols: int, select_k: int) -> bool:
+    """Whether a leaf launch filters (``FILTER``): several leaves that keep all their keys, and
+    rows of ``n_cols`` pools whose bound rank is at most ``HEAD`` (shorter rows in the same
+    launch keep every pool as a survivor, all rescored exactly)."""
+    full = max(n_cols // chunk, 1)
+    return (scorer() == "filter" and n_chunks >= 2 and topk.MIN_KB <= chunk <= kb
+            and -(-select_k // full) <= topk.MIN_KB)
+
+
+def refine_programs(rows: int, select_k: int, device) -> int:
+    """Programs per row of ``_refine_kernel``: about one per ``BLOCK_POOLS`` of the ``select_k``
+    expected survivors, fewer when the rows already fill the GPU (two off the GPU)."""
+    sms = topk._sm_count(device)
+    want = triton.cdiv(select_k + BLOCK_POOLS, BLOCK_POOLS)
+    return max(1, min(want, triton.cdiv(REFINE_PROGRAMS_PER_SM * sms, rows))) if sms else 2
 
 
 def query_rows(next_n: int) -> int:
@@ -101,9 +207,15 @@ def query_rows(next_n: int) -> int:
     return min(MAX_ROWS, triton.next_power_of_2(next_n))
 
 
-def launch_options(device) -> dict:
-    """Compile options of ``_paged_topk_kernel``: ``MAX_REGS`` applies to CUDA targets only."""
-    return dict(num_warps=NUM_WARPS, enable_fp_fusion=False, **register_cap(device, MAX_REGS))
+def max_regs(filtered: bool = False, rows: int = 1) -> int:
+    """CUDA register cap of a scoring launch: ``FILTER_MAX_REGS`` for one-row filtering leaves
+    (sm_90 SASS, triton 3.6: 116 registers, no spills: 4 programs per SM), else ``MAX_REGS``."""
+    return FILTER_MAX_REGS if filtered and rows == 1 else MAX_REGS
+
+
+def launch_options(device, filtered: bool = False, rows: int = 1) -> dict:
+    """Compile options of the scoring kernels: the register cap (``max_regs``) applies to CUDA targets only."""
+    return dict(num_warps=NUM_WARPS, enable_fp_fusion=False, **register_cap(device, max_regs(filtered, rows)))
 
 
 def paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, *, layout=None, fp8_dtype=None,
@@ -141,6 +253,7 @@ def paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, *
     rows_per_prog = query_rows(next_n)
 
     def launch_leaves(cand, count, chunk, n_chunks, kb, final):
+        filtered = not final and filters(chunk, kb, n_chunks, limit, select_k)
         _paged_topk_kernel[(batch * triton.cdiv(next_n, rows_per_prog), n_chunks)](
             q8, q8.stride(0), q8.stride(1), q8.stride(2), weights, weights.stride(0), weights.stride(1),
             weights.stride(2), lens, lens.stride(0), page_table, page_table.stride(0), page_table.stride(1),
@@ -148,8 +261,20 @@ def paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, *
             cand, count, out, out.stride(0), limit, next_n, select_k, n_chunks, halves_table(fp8_dtype, device),
             PAGE=kv_cache.shape[1], BN=BLOCK_POOLS, NT=chunk // BLOCK_POOLS, KB=kb, H=heads, ROWS=rows_per_prog,
             PRESHUFFLE=layout == "preshuffle", FINAL=final, **decode_args(fp8_dtype, device),
-            **launch_options(device), **pdl_launch(device),
+            FILTER=filtered, FP8_MAX=fp8_max(fp8_dtype), ERROR=FILTER_ERROR, SHAKE=FILTER_SHAKE,
+            **launch_options(device, filtered, rows_per_prog), **pdl_launch(device),
+        )
+        return filtered
+
+    def refine(surv, count):
+        _refine_kernel[(rows, refine_programs(rows, select_k, device))](
+            q8, q8.stride(0), q8.stride(1), q8.stride(2), weights, weights.stride(0), weights.stride(1),
+            weights.stride(2), page_table, page_table.stride(0), page_table.stride(1),
+            kv_cache, kv_cache.view(torch.float32), kv_cache.stride(0), kv_cache.shape[0],
+            surv, surv.shape[1], count, next_n, halves_table(fp8_dtype, device),
+            PAGE=kv_cache.shape[1], BN=BLOCK_POOLS, H=heads, PRESHUFFLE=layout == "preshuffle",
+            **decode_args(fp8_dtype, device), **launch_options(device), **pdl_launch(device),
         )
 
-    topk.select_by_leaves(out, lens, limit, select_k, launch_leaves, BLOCK_POOLS)
+    topk.select_by_leaves(out, lens, limit, select_k, launch_leaves, BLOCK_POOLS, refine)
     return out

@@ -178,6 +178,18 @@ def store_leaf(keys, cand_ptr, out_ptr, n_vis, select_k, CHUNK: tl.constexpr, KB
 
 
 @triton.jit
+def store_leaf_bounds(lower, upper, cand_ptr, n_vis, select_k, CHUNK: tl.constexpr, KB: tl.constexpr):
+    """A filtering leaf's list (``FILTER``, a leaf that keeps all its keys): its ``HEAD`` best
+    *lower* keys sorted, then all its *upper* keys unsorted; when the row's bound rank is
+    above ``HEAD`` the ``HEAD`` slots are not written (``_row_bound`` then bounds nothing)."""
+    tl.static_assert((CHUNK <= KB) and (CHUNK >= HEAD), "a filtering leaf keeps all its keys")
+    _, rank = _bound_rank(n_vis, CHUNK, select_k)
+    if _unsorted_list(rank, CHUNK, CHUNK):
+        tl.store(cand_ptr + tl.arange(0, HEAD), tl.topk(lower, HEAD))
+    tl.store(cand_ptr + HEAD + tl.arange(0, CHUNK), upper)
+
+
+@triton.jit
 def clear_counts(count_ptr, rows, chunk, FINAL: tl.constexpr):
     """Zero the survivor counters ``count_ptr[rows]`` (int32; ``rows`` int64, scalar or vector)
     from the programs of a row's first leaf, unless ``FINAL``: the leaf launch replaces a
@@ -280,14 +292,18 @@ def _radix_threshold(base, cnt, lo, top, select_k, BLOCK: tl.constexpr, BITS: tl
 
 
 @triton.jit
-def _row_bound(base, n_vis, select_k, CHUNK: tl.constexpr, KW: tl.constexpr, LB: tl.constexpr):
+def _row_bound(base, n_vis, select_k, CHUNK: tl.constexpr, KW: tl.constexpr, LB: tl.constexpr,
+               FILTER: tl.constexpr):
     """A lower bound of a row's ``select_k``-th best key from its leaf lists at ``base``
     (``store_leaf``, ``HEAD + KW`` keys each, leaves of ``CHUNK`` pools; int64 scalar). The
     first ``full`` lists come from wholly visible leaves and hold ``KW`` keys each; when their
     ``rank``-th keys exist (``_bound_rank``), at least ``select_k`` keys are ``>=`` the
-    smallest of those. Else ``NO_KEY`` (every key)."""
+    smallest of those. Else ``NO_KEY`` (every key). ``FILTER`` (``store_leaf_bounds``): the
+    heads are lower bounds, and a row whose heads were not written bounds nothing."""
     full, rank = _bound_rank(n_vis, CHUNK, select_k)
     bound = full * KW >= select_k
+    if FILTER:
+        bound = bound & _unsorted_list(rank, CHUNK, KW)
     at = tl.where(_unsorted_list(rank, CHUNK, KW), rank - 1, HEAD + rank - 1)  # in the sorted keys
     lst = tl.arange(0, LB)
     heads = tl.load(base + lst * (HEAD + KW) + at, mask=lst < tl.where(bound, full, 0), other=9223372036854775807)
@@ -297,7 +313,7 @@ def _row_bound(base, n_vis, select_k, CHUNK: tl.constexpr, KW: tl.constexpr, LB:
 @triton.jit
 def _survivors_kernel(cand_ptr, n_lists, lens_ptr, lens_stride, n_cols, surv_ptr, count_ptr, select_k,
                       CHUNK: tl.constexpr, KW: tl.constexpr, LG: tl.constexpr, LB: tl.constexpr,
-                      PDL: tl.constexpr):
+                      FILTER: tl.constexpr, PDL: tl.constexpr):
     _pdl.grid_dependency_sync(PDL)
     # Program (row, group): appends the keys >= _row_bound of lists [group*LG, +LG) of
     # cand[row] (the KW keys after each list's HEAD slots) to surv[row], at offsets claimed
@@ -307,7 +323,7 @@ def _survivors_kernel(cand_ptr, n_lists, lens_ptr, lens_stride, n_cols, surv_ptr
     n_vis = visible_pools(lens_ptr, row * lens_stride, n_cols)
     if n_vis > select_k:
         base = cand_ptr + row * n_lists * (HEAD + KW)
-        lo = _row_bound(base, n_vis, select_k, CHUNK, KW, LB)
+        lo = _row_bound(base, n_vis, select_k, CHUNK, KW, LB, FILTER)
         lst = tl.program_id(1) * LG + tl.arange(0, LG)
         key = tl.load(base + lst[:, None] * (HEAD + KW) + HEAD + tl.arange(0, KW)[None, :],
                       mask=(lst < n_lists)[:, None], other=NO_KEY)
@@ -421,7 +437,7 @@ def list_size(chunk: int, kb: int) -> int:
     return MIN_KB + min(chunk, kb)  # HEAD as a Python int
 
 
-def select_by_leaves(out, lens, n_cols, select_k, launch_leaves, granule: int = 1) -> None:
+def select_by_leaves(out, lens, n_cols, select_k, launch_leaves, granule: int = 1, refine=None) -> None:
     """Each row's selection into ``out [rows, select_k]`` int32: leaves, then (several leaves
     per row) ``threshold_select``.
 
@@ -429,7 +445,10 @@ def select_by_leaves(out, lens, n_cols, select_k, launch_leaves, granule: int = 
     grid ``(rows, n_chunks)``; with ``FINAL`` (one leaf per row) ``cand`` and ``count`` are
     ``out`` and the leaves write the ids, else ``cand [rows, n_chunks, list_size(CHUNK, KB)]``
     int64 receives their key lists and the leaves zero ``count [rows]`` int32
-    (``clear_counts``). ``lens [rows]`` visible pools, clamped to ``n_cols``.
+    (``clear_counts``). ``lens [rows]`` visible pools, clamped to ``n_cols``. When
+    ``launch_leaves`` returns True its leaves filtered (``store_leaf_bounds``): the survivors
+    hold upper bounds, and ``refine(surv, count)`` replaces them by the exact keys before the
+    selection.
     """
     rows = out.shape[0]
     kb = key_block(select_k)
@@ -440,8 +459,8 @@ def select_by_leaves(out, lens, n_cols, select_k, launch_leaves, granule: int = 
         return
     cand = torch.empty((rows, n_chunks, list_size(chunk, kb)), dtype=torch.int64, device=out.device)
     count = torch.empty((rows,), dtype=torch.int32, device=out.device)
-    launch_leaves(cand, count, chunk, n_chunks, kb, final)
-    threshold_select(cand, count, chunk, lens, n_cols, select_k, out)
+    filtered = bool(launch_leaves(cand, count, chunk, n_chunks, kb, final))
+    threshold_select(cand, count, chunk, lens, n_cols, select_k, out, refine if filtered else None)
 
 
 def survivor_block(chunk: int, kb: int) -> tuple:
@@ -451,7 +470,7 @@ def survivor_block(chunk: int, kb: int) -> tuple:
     return kw, max(1, SURVIVOR_KEYS // kw)
 
 
-def survivors(cand, count, chunk, lens, n_cols, select_k):
+def survivors(cand, count, chunk, lens, n_cols, select_k, filtered: bool = False):
     """``cand [rows, n_lists, list_size(chunk, KB)]`` (``store_leaf``'s int64 key lists of
     leaves of ``chunk`` pools), ``count [rows]`` int32 zeros -> ``surv [rows, n_lists * KW]``
     int64: row ``r``'s keys at or above its bound (``_row_bound``) are ``surv[r, :count[r]]``,
@@ -464,7 +483,7 @@ def survivors(cand, count, chunk, lens, n_cols, select_k):
     surv = torch.empty((rows, n_lists * kw), dtype=torch.int64, device=cand.device)
     _survivors_kernel[(rows, triton.cdiv(n_lists, lg))](
         cand, n_lists, lens, lens.stride(0), n_cols, surv, count, select_k, CHUNK=chunk, KW=kw, LG=lg,
-        LB=triton.next_power_of_2(n_lists), **pdl_launch(cand.device))
+        LB=triton.next_power_of_2(n_lists), FILTER=filtered, **pdl_launch(cand.device))
     return surv
 
 
@@ -483,10 +502,12 @@ def rank_programs(rows: int, limit: int, device) -> int:
     return min(slices, max(1, triton.cdiv(RANK_PROGRAMS_PER_SM * sms, rows)) if sms else 2)
 
 
-def threshold_select(cand, count, chunk, lens, n_cols, select_k, out) -> None:
+def threshold_select(cand, count, chunk, lens, n_cols, select_k, out, refine=None) -> None:
     """``cand``, ``count`` as in ``survivors`` (``n_lists >= 2``) -> each row's selection in
-    ``out [rows, select_k]`` int32."""
-    surv = survivors(cand, count, chunk, lens, n_cols, select_k)
+    ``out [rows, select_k]`` int32; ``refine``: see ``select_by_leaves``."""
+    surv = survivors(cand, count, chunk, lens, n_cols, select_k, refine is not None)
+    if refine is not None:
+        refine(surv, count)
     rows = out.shape[0]
     limit = rank_limit(rows)
     _threshold_select_kernel[(rows, rank_programs(rows, limit, out.device))](
