@@ -205,8 +205,8 @@ def test_launch_options_the_launchers_use():
     assert warps == {decode.decode_warps(b, n) for b in (1, 1 << 20) for n in (1, 4)} == {1, 2, 4}
     assert {j.options.get("num_warps") for j in jobs if j.kernel == "_paged_topk_kernel"} == {score.NUM_WARPS}
     # the filtering leaves (score.filters) and the exact ones, filtering only where it can be chosen
-    filt = {(j.constexprs["FILTER"], j.constexprs["FINAL"], j.constexprs["NT"] * j.constexprs["BN"] <= j.constexprs["KB"])
-            for j in jobs if j.kernel == "_paged_topk_kernel"}
+    filt = {(c["FILTER"], c["FINAL"], c["NT"] * c["BN"] <= c["KB"])
+            for c in (j.constexprs for j in jobs if j.kernel == "_paged_topk_kernel")}
     assert (True, False, True) in filt and (False, False, True) in filt
     assert not any(f and (final or not keeps_all) for f, final, keeps_all in filt)
     leaves = {(j.constexprs["KB"], j.constexprs["CHUNK"]) for j in jobs if j.kernel == "_chunk_topk_kernel"}

@@ -27,8 +27,9 @@ the selection runs on those. The result is the exact selection as long as the MM
 stays within the budget: ``FILTER_ERROR = 2^-14`` of ``||q_h||_1 * FP8_MAX`` per head, where
 the H200's fp16 MMA measured 2^-20 of ``sum |q_d k_d|`` (benchmarks/NOTES.md). That is
 measured hardware behaviour, not a documented guarantee: check it on a GPU before relying
-on it there (``python -m kpool.exactness --ops score`` with ``KPOOL_SCORER=filter``). Rows of the same launch that are too short for the bound
-keep every pool as a survivor (all rescored exactly).
+on it there (``python -m kpool.exactness --ops score`` with ``KPOOL_SCORER=filter``). Rows
+of the same launch that are too short for the bound keep every pool as a survivor (all
+rescored exactly).
 """
 
 from __future__ import annotations
