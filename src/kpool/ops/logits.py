@@ -164,6 +164,8 @@ def block_logits(q, q_nan, w, codes, kscale, lut_ptr, BN: tl.constexpr, H: tl.co
 
 
 L1_ROUND_UP = tl.constexpr(1.0 + 2.0**-10)  # > (1 + 2^-24)^128: fp32 summation error of 128 terms
+MIN_FILTER_ERROR = 2.0**-16  # the smallest error budget bound_keys' overflow guard allows
+_SPAN = tl.constexpr(1.0 / MIN_FILTER_ERROR)  # sum_h |w_h s_h| <= e / budget <= e * _SPAN
 
 
 @triton.jit
@@ -204,10 +206,12 @@ def logit_error_scale(w, q_l1, H: tl.constexpr, R: tl.constexpr, FP8_MAX: tl.con
 @triton.jit
 def bound_keys(a, e, j, vis):
     """Lower and upper ranking keys (``topk.pool_keys``) of approximate logits ``a`` with
-    error bound ``e`` (same shape): ``a - e`` and ``a + e`` where both are finite; else the
-    lowest key (NaN) and the highest finite-score key (+inf), so that such a pool always
-    survives the filter and never raises the bound."""
-    fin = (tl.abs(a) < float("inf")) & (e < float("inf"))
+    error bound ``e`` (same shape; a budget of at least ``MIN_FILTER_ERROR``): ``a - e`` and
+    ``a + e`` where the pool's heads are far from fp32 overflow in both pipelines; else
+    (NaN, infinities, magnitudes near ``FLT_MAX``) the lowest key (NaN) and the highest
+    finite-score key (+inf), so that such a pool always survives the filter and never raises
+    the bound."""
+    fin = tl.abs(a) + e * _SPAN < 1e38  # False for NaN and infinities
     lo = tl.where(fin, a - e, float("nan"))
     hi = tl.where(fin, a + e, float("inf"))
     return topk.pool_keys(lo, j, vis), topk.pool_keys(hi, j, vis)

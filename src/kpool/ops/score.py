@@ -46,8 +46,8 @@ from .._checks import check_positive_int
 from ..layout import fp8_max
 from . import _pdl, topk
 from ._jit_fp8 import halves_table
-from .logits import (approx_block_logits, bound_keys, check_paged_args, decode_args, logit_error_scale,
-                     paged_tile, paged_tile_logits, pool_entries, query_halves, query_values)
+from .logits import (MIN_FILTER_ERROR, approx_block_logits, bound_keys, check_paged_args, decode_args,
+                     logit_error_scale, paged_tile, paged_tile_logits, pool_entries, query_halves, query_values)
 
 BLOCK_POOLS = 64  # pools per scoring tile: the MMA's M (one wgmma warpgroup on Hopper)
 NUM_WARPS = 4
@@ -189,6 +189,9 @@ def filters(chunk: int, kb: int, n_chunks: int, n_cols: int, select_k: int) -> b
     """Whether a leaf launch filters (``FILTER``): several leaves that keep all their keys, and
     rows of ``n_cols`` pools whose bound rank is at most ``HEAD`` (shorter rows in the same
     launch keep every pool as a survivor, all rescored exactly)."""
+    if FILTER_ERROR < MIN_FILTER_ERROR:
+        raise ValueError(f"score.FILTER_ERROR must be at least {MIN_FILTER_ERROR} (logits.bound_keys' "
+                         f"overflow guard), got {FILTER_ERROR}")
     full = max(n_cols // chunk, 1)
     return (scorer() == "filter" and n_chunks >= 2 and topk.MIN_KB <= chunk <= kb
             and -(-select_k // full) <= topk.MIN_KB)
