@@ -368,7 +368,6 @@ def _score_specs(m):
         cycle=(_leaf_axis(m.BLOCK_POOLS, "_chunk"), flag("FINAL"), _PAGE, axis("next_n", (1, "i32")),
                axis("ROWS", (1, m.MAX_ROWS)), flag("_filter"),
                int_ptr_axis("lens_ptr", "pt_ptr")),
-        # FILTER only where score.filters can choose it: several leaves that keep all their keys
         derive=lambda c: _filter_derive(m, c),
         fixed=dict(BN=m.BLOCK_POOLS, ERROR=m.FILTER_ERROR, SHAKE=m.FILTER_SHAKE), target_derive=native_fp8_param,
         options=options),

@@ -45,6 +45,15 @@ def halves_table(fp8_dtype, device) -> torch.Tensor:
 
 
 @triton.jit
+def _native_fp16(code, FNUZ: tl.constexpr):
+    """uint8 e4m3 codes -> their values in fp16 by the target's conversion (exact; NaN codes NaN)."""
+    if FNUZ:
+        return code.to(tl.float8e4b8, bitcast=True).to(tl.float16)
+    else:
+        return code.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
+@triton.jit
 def fp8_halves(code, table_ptr, FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
     """uint8 e4m3 codes -> fp16 ``(hi, lo, nan)``: ``hi + lo`` = the code's value, ``hi`` a
     multiple of ``half_step``, ``|lo| <= half_step / 2``; NaN halves and flag for NaN codes.
@@ -53,12 +62,8 @@ def fp8_halves(code, table_ptr, FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
     half; otherwise one lookup in ``halves_table`` (1 KiB, cache resident).
     """
     if NATIVE_FP8:
-        if FNUZ:
-            x = code.to(tl.float8e4b8, bitcast=True).to(tl.float16)
-            shift: tl.constexpr = _ROUND_FNUZ
-        else:
-            x = code.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-            shift: tl.constexpr = _ROUND_FN
+        x = _native_fp16(code, FNUZ)
+        shift: tl.constexpr = _ROUND_FNUZ if FNUZ else _ROUND_FN
         hi = (x + shift) - shift
         return hi, x - hi, x != x
     else:
@@ -72,10 +77,7 @@ def fp8_values(code, table_ptr, FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
     """uint8 e4m3 codes -> ``(value, nan)``: the code's value in fp16 (exact) and a NaN flag,
     by the target's conversion where it has one, else as ``hi + lo`` of ``fp8_halves``."""
     if NATIVE_FP8:
-        if FNUZ:
-            x = code.to(tl.float8e4b8, bitcast=True).to(tl.float16)
-        else:
-            x = code.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        x = _native_fp16(code, FNUZ)
         return x, x != x
     else:
         hi, lo, nan = fp8_halves(code, table_ptr, FNUZ, NATIVE_FP8)

@@ -144,6 +144,14 @@ def query_halves(q_ptrs, mask, lut_ptr, FNUZ: tl.constexpr, NATIVE_FP8: tl.const
 
 
 @triton.jit
+def row_query(q_row_ptr, q_sh, lut_ptr, H: tl.constexpr, FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
+    """``query_halves`` (``[64, H]`` each) and NaN flags of one query row's ``H`` heads
+    (head ``h`` at ``q_row_ptr + h * q_sh``)."""
+    return query_halves(q_row_ptr + tl.arange(0, H)[None, :] * q_sh + tl.arange(0, 64)[:, None], None, lut_ptr,
+                        FNUZ, NATIVE_FP8)
+
+
+@triton.jit
 def block_logits(q, q_nan, w, codes, kscale, lut_ptr, BN: tl.constexpr, H: tl.constexpr,
                  R: tl.constexpr, FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
     """Pooled logits of ``BN`` pools for ``R`` query rows -> fp32 ``[BN, R]`` (module docstring).
@@ -157,7 +165,13 @@ def block_logits(q, q_nan, w, codes, kscale, lut_ptr, BN: tl.constexpr, H: tl.co
     """
     k, k_nan = fp8_split(codes[0], codes[1], lut_ptr, 1, FNUZ, NATIVE_FP8)  # [BN, 64] halves, [BN]
     dot = _exact_dot(k, q, FNUZ)  # [BN, R * H], one rounding
-    nan = k_nan[:, None] | q_nan[None, :]
+    return _weighted_heads(dot, k_nan[:, None] | q_nan[None, :], kscale, w, BN, H, R)
+
+
+@triton.jit
+def _weighted_heads(dot, nan, kscale, w, BN: tl.constexpr, H: tl.constexpr, R: tl.constexpr):
+    """Step 2 of the module docstring on head dots ``[BN, R * H]`` (NaN where ``nan``):
+    ``* kscale``, relu, ``* w``, the pairwise head tree -> ``[BN, R]``."""
     s = tl.where(nan, float("nan"), dot) * kscale[:, None]
     r = tl.where(s < 0, 0.0, s)
     return tl.reshape(_head_tree(tl.reshape(r * w[None, :], (BN * R, H)), BN * R, H), (BN, R))
@@ -188,10 +202,7 @@ def approx_block_logits(q16, q_nan, w, codes, kscale, lut_ptr, BN: tl.constexpr,
     kb, b_nan = _jit_fp8.fp8_values(codes[1], lut_ptr, FNUZ, NATIVE_FP8)
     k_nan = tl.max((a_nan | b_nan).to(tl.int32), axis=1) > 0
     dot = tl.dot(ka, q16[0], tl.dot(kb, q16[1]))  # [BN, R * H]
-    nan = k_nan[:, None] | q_nan[None, :]
-    s = tl.where(nan, float("nan"), dot) * kscale[:, None]
-    r = tl.where(s < 0, 0.0, s)
-    return tl.reshape(_head_tree(tl.reshape(r * w[None, :], (BN * R, H)), BN * R, H), (BN, R))
+    return _weighted_heads(dot, k_nan[:, None] | q_nan[None, :], kscale, w, BN, H, R)
 
 
 @triton.jit
@@ -228,7 +239,6 @@ def paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_row_ptr, pt_sp, j0
 
     When ``PAGE % BN == 0`` the tile lies in one page: one page-table load, a scalar page
     base and int32 in-page offsets; otherwise a page lookup per pool."""
-    d = tl.arange(0, 64)
     j = j0 + tl.arange(0, BN)
     if PAGE % BN == 0:
         # a tile past the row's visible pools reads column 0 (a row with visible pools has one)
@@ -238,10 +248,7 @@ def paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_row_ptr, pt_sp, j0
         base = tl.where(on_page, pg, 0) * page_stride  # scalar page byte offset
         state = (j0 % PAGE).to(tl.int32) + tl.arange(0, BN)
         kscale = tl.load(kv_f32_ptr + (base + PAGE * 128) // 4 + state, mask=ok, other=0.0)
-        rows = kv_ptr + base
-        codes = (tl.load(rows + _jit.key_offset(state[:, None], d[None, :], PRESHUFFLE), mask=ok[:, None], other=0),
-                 tl.load(rows + _jit.key_offset(state[:, None], 64 + d[None, :], PRESHUFFLE), mask=ok[:, None],
-                         other=0))
+        codes = _entry_codes(kv_ptr + base, state, ok, PRESHUFFLE)
     else:
         codes, kscale, ok = pool_entries(kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_row_ptr, pt_sp, j,
                                          j < n_vis, PAGE, PRESHUFFLE)
@@ -253,16 +260,21 @@ def pool_entries(kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_row_ptr, pt_sp, 
                  PAGE: tl.constexpr, PRESHUFFLE: tl.constexpr):
     """``paged_tile``'s result for any pool ids ``j`` (int64 ``[BN]``) where ``vis``: a page
     lookup per pool; ``ok`` = ``vis`` and on a page inside ``[0, num_pages)``."""
-    d = tl.arange(0, 64)
     pg = tl.load(pt_row_ptr + (j // PAGE) * pt_sp, mask=vis, other=-1).to(tl.int64)
     ok = vis & (pg >= 0) & (pg < num_pages)
     base = tl.where(ok, pg, 0) * page_stride  # [BN] page byte offsets
     state = j % PAGE
     kscale = tl.load(kv_f32_ptr + (base + PAGE * 128) // 4 + state, mask=ok, other=0.0)
-    rows = kv_ptr + base[:, None]
-    codes = (tl.load(rows + _jit.key_offset(state[:, None], d[None, :], PRESHUFFLE), mask=ok[:, None], other=0),
-             tl.load(rows + _jit.key_offset(state[:, None], 64 + d[None, :], PRESHUFFLE), mask=ok[:, None], other=0))
-    return codes, kscale, ok
+    return _entry_codes(kv_ptr + base[:, None], state, ok, PRESHUFFLE), kscale, ok
+
+
+@triton.jit
+def _entry_codes(rows, state, ok, PRESHUFFLE: tl.constexpr):
+    """The uint8 key codes of dims 0-63 and 64-127 (``[BN, 64]`` each) of in-page states
+    ``state [BN]`` at page pointers ``rows`` (scalar or ``[BN, 1]``); zeros where not ``ok``."""
+    d = tl.arange(0, 64)
+    return (tl.load(rows + _jit.key_offset(state[:, None], d[None, :], PRESHUFFLE), mask=ok[:, None], other=0),
+            tl.load(rows + _jit.key_offset(state[:, None], 64 + d[None, :], PRESHUFFLE), mask=ok[:, None], other=0))
 
 
 @triton.jit
@@ -291,12 +303,10 @@ def _paged_logits_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_
     n_vis = topk.visible_pools(lens_ptr, b * lens_sb + t * lens_sn, vis_limit)
     out = tl.full((BN,), float("-inf"), tl.float32)
     if blk * BN < n_vis:
-        hh = tl.arange(0, H)
-        q, q_nan = query_halves(q_ptr + b * q_sb + t * q_sn + hh[None, :] * q_sh + tl.arange(0, 64)[:, None], None,
-                                lut_ptr, FNUZ, NATIVE_FP8)
+        q, q_nan = row_query(q_ptr + b * q_sb + t * q_sn, q_sh, lut_ptr, H, FNUZ, NATIVE_FP8)
         codes, kscale, ok = paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_ptr + b * pt_sb, pt_sp,
                                        blk * BN, n_vis, PAGE, BN, PRESHUFFLE)
-        w = tl.load(w_ptr + b * w_sb + t * w_sn + hh * w_sh)
+        w = tl.load(w_ptr + b * w_sb + t * w_sn + tl.arange(0, H) * w_sh)
         out = tl.reshape(paged_tile_logits(q, q_nan, w, codes, kscale, ok, (j < n_vis)[:, None], lut_ptr,
                                            BN, H, 1, FNUZ, NATIVE_FP8), (BN,))
     tl.store(out_ptr + row * out_stride + j, out, mask=j < max_pools)

@@ -47,7 +47,8 @@ from ..layout import fp8_max
 from . import _pdl, topk
 from ._jit_fp8 import halves_table
 from .logits import (MIN_FILTER_ERROR, approx_block_logits, bound_keys, check_paged_args, decode_args,
-                     logit_error_scale, paged_tile, paged_tile_logits, pool_entries, query_halves, query_values)
+                     logit_error_scale, paged_tile, paged_tile_logits, pool_entries, query_halves, query_values,
+                     row_query)
 
 BLOCK_POOLS = 64  # pools per scoring tile: the MMA's M (one wgmma warpgroup on Hopper)
 NUM_WARPS = 4
@@ -95,12 +96,12 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
         q, q_nan = query_halves(q_rows[None, :] + tl.arange(0, 64)[:, None], q_live[None, :], lut_ptr, FNUZ,
                                 NATIVE_FP8)
         w = tl.load(w_ptr + b * w_sb + (t0 + c // H) * w_sn + (c % H) * w_sh, mask=q_live, other=0.0)
+        tiles = tl.arange(0, NT)
+        keys = tl.full((NT, BN, ROWS), topk.NO_KEY, tl.int64)  # INT64_MIN = not seen
         if FILTER:  # keys = lower bounds, keys_hi = upper bounds of the exact keys (module docstring)
             q16, q_l1 = query_values(q)
             err = logit_error_scale(w, q_l1, H, ROWS, FP8_MAX, ERROR)  # [ROWS]
-        tiles = tl.arange(0, NT)
-        keys = tl.full((NT, BN, ROWS), topk.NO_KEY, tl.int64)  # INT64_MIN = not seen
-        keys_hi = tl.full((NT, BN, ROWS), topk.NO_KEY, tl.int64)
+            keys_hi = tl.full((NT, BN, ROWS), topk.NO_KEY, tl.int64)
         pt_row = pt_ptr + b * pt_sb
         j0 = chunk * NT * BN  # first pool of the tile
         j = j0 + tl.arange(0, BN)
@@ -162,10 +163,8 @@ def _refine_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, pt_ptr, pt_
     t = row % next_n
     cnt = tl.load(count_ptr + row)
     if cnt > 0:
-        hh = tl.arange(0, H)
-        q, q_nan = query_halves(q_ptr + b * q_sb + t * q_sn + hh[None, :] * q_sh + tl.arange(0, 64)[:, None], None,
-                                lut_ptr, FNUZ, NATIVE_FP8)
-        w = tl.load(w_ptr + b * w_sb + t * w_sn + hh * w_sh)
+        q, q_nan = row_query(q_ptr + b * q_sb + t * q_sn, q_sh, lut_ptr, H, FNUZ, NATIVE_FP8)
+        w = tl.load(w_ptr + b * w_sb + t * w_sn + tl.arange(0, H) * w_sh)
         base = surv_ptr + row * n_surv
         for tile in range(tl.program_id(1), tl.cdiv(cnt, BN), tl.num_programs(1)):
             i = tile * BN + tl.arange(0, BN)
