@@ -622,6 +622,7 @@ def environment(ctx: Ctx, seed_path) -> dict:
         "kpool_file": str(Path(kpool.__file__).resolve()),
         "kpool_backend": _backend.backend_for(ctx.device),
         "triton_interpret": _backend.interpreting(),
+        "kpool_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("KPOOL_")},
         "seed_path": str(seed_path) if seed_path else None,
         "seed_sha256": sha256_file(seed_path) if seed_path else None,
         "seed_error": ctx.seed_error,

@@ -158,13 +158,15 @@ FILTER_CASE = dict(batch=2, next_n=3, page=64, pages_per=36, select_k=128,
 
 
 def _filter_choices(monkeypatch):
-    """Record what ``score.filters`` decides for each leaf launch."""
+    """Record what ``score.filters`` decides for each leaf launch; leaves of any size may filter
+    (the CPU lanes and small GPU cases use leaves of 128 pools, below ``FILTER_MIN_CHUNK``)."""
     used, real = [], score.filters
 
     def spy(*args):
         used.append(real(*args))
         return used[-1]
     monkeypatch.setattr(score, "filters", spy)
+    monkeypatch.setattr(score, "FILTER_MIN_CHUNK", 0)
     return used
 
 
@@ -198,14 +200,28 @@ def test_filter_bounds_hold_under_the_whole_error_budget(device, monkeypatch):
 
 
 def test_scorer_switch(device, monkeypatch):
-    """``$KPOOL_SCORER``: exact by default (and when set so), filter on request, else an error."""
+    """``$KPOOL_SCORER``: filter by default (and when set so), exact on request, else an error."""
     monkeypatch.setenv("KPOOL_BACKEND", "triton")
     monkeypatch.delenv(score.SCORER_ENV, raising=False)
     used = _filter_choices(monkeypatch)
     run_case(device, heads=16, fp8_dtype=FP8[0], seed=22, **FILTER_CASE)
     monkeypatch.setenv(score.SCORER_ENV, "exact")
     run_case(device, heads=16, fp8_dtype=FP8[0], seed=22, **FILTER_CASE)
-    assert used == [False, False]
+    assert used == [True, False]
     monkeypatch.setenv(score.SCORER_ENV, "fast")
     with pytest.raises(ValueError, match=score.SCORER_ENV):
         score.scorer()
+
+
+@pytest.mark.parametrize("chunk, n_chunks, n_cols, scorer, want", [
+    (512, 64, 32768, "filter", True),      # 32 x 128K at select 512: leaves of 512
+    (256, 128, 32768, "filter", True),
+    (128, 256, 32768, "filter", False),    # 1 x 128K: leaves of 128 (slower filtered on the H200)
+    (512, 16, 8192, "filter", False),      # 16 leaves: bound rank 32 > HEAD
+    (512, 64, 32768, "exact", False),
+    (1024, 32, 32768, "filter", False),    # leaves beyond KB drop keys: no bounds for them
+])
+def test_filter_rule(chunk, n_chunks, n_cols, scorer, want, monkeypatch):
+    """Which leaf launches filter (``score.filters``) at select_k 512 (KB 512)."""
+    monkeypatch.setenv(score.SCORER_ENV, scorer)
+    assert score.filters(chunk, topk.key_block(512), n_chunks, n_cols, 512) is want

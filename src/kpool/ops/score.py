@@ -11,25 +11,24 @@ leaf's ``KB`` best (``topk.store_leaf``); rows with several leaves finish in
 ``topk.threshold_select``. A row that sees at most ``select_k`` pools scores nothing. Same
 bytes as ``select_pools(paged_pool_logits(...))`` on every backend.
 
-Filter and refine (``filters``; opt-in with ``$KPOOL_SCORER=filter``; default ``exact``: the
-filter is checked in the interpreter lane and compiles for every target, but has not been
-timed or checked at scale on a GPU yet, benchmarks/NOTES.md): when the
-leaves keep all their keys and a row has enough of them that its bound rank is at most
-``topk.HEAD`` (long rows: at select_k 512, from 32 wholly visible leaves up, e.g. 16,384 pools),
-the leaves score with one fp16 MMA of the codes' values (``logits.approx_block_logits``: the
-products are exact, the MMA's accumulation is not) instead of the exact dot, and keep two
-keys per pool: ``a - E * kscale`` and ``a + E * kscale`` (``logits.bound_keys``), with ``E``
-per row from ``FILTER_ERROR`` (``logits.logit_error_scale``). The row bound comes from the
-lower keys, so at least ``select_k`` pools score at or above it exactly; the survivors are
-the pools whose upper key reaches it, a superset of the exact selection; ``_refine_kernel``
-replaces their keys by the exact ones (``paged_tile_logits`` on the gathered entries) and
-the selection runs on those. The result is the exact selection as long as the MMA's error
-stays within the budget: ``FILTER_ERROR = 2^-14`` of ``||q_h||_1 * FP8_MAX`` per head, where
-the H200's fp16 MMA measured 2^-20 of ``sum |q_d k_d|`` (benchmarks/NOTES.md). That is
-measured hardware behaviour, not a documented guarantee: check it on a GPU before relying
-on it there (``python -m kpool.exactness --ops score`` with ``KPOOL_SCORER=filter``). Rows
-of the same launch that are too short for the bound keep every pool as a survivor (all
-rescored exactly).
+Filter and refine (``filters``; the default, ``$KPOOL_SCORER=exact`` turns it off): when the
+leaves keep all their keys, hold at least ``FILTER_MIN_CHUNK`` pools each and a row has enough
+of them that its bound rank is at most ``topk.HEAD`` (long rows: at select_k 512, from 32
+wholly visible leaves up, e.g. 16,384 pools), the leaves score with one fp16 MMA of the
+codes' values (``logits.approx_block_logits``: the products are exact, the MMA's
+accumulation is not) instead of the exact dot, and keep two keys per pool: ``a - E * kscale``
+and ``a + E * kscale`` (``logits.bound_keys``), with ``E`` per row from ``FILTER_ERROR``
+(``logits.logit_error_scale``). The row bound comes from the lower keys, so at least
+``select_k`` pools score at or above it exactly; the survivors are the pools whose upper key
+reaches it, a superset of the exact selection; ``_refine_kernel`` replaces their keys by the
+exact ones (``paged_tile_logits`` on the gathered entries) and the selection runs on those.
+The result is the exact selection as long as the MMA's error stays within the budget:
+``FILTER_ERROR = 2^-14`` of ``||q_h||_1 * FP8_MAX`` per head, at least ``2^-14`` of
+``sum_d |q_d k_d|``. An fp32 accumulation of the 128 exact products in any order, rounding
+or truncating, stays within ``2^-16`` of it; the H200's fp16 MMA measured ``2^-20``, and
+``python -m kpool.exactness --ops score`` (32 x 65,536 pools, H 32 and 64, both formats and
+layouts) is exact there (benchmarks/NOTES.md). Rows of the same launch that are too short
+for the bound keep every pool as a survivor (all rescored exactly).
 """
 
 from __future__ import annotations
@@ -60,7 +59,10 @@ SCORER_ENV = "KPOOL_SCORER"
 # 15th session; 2^-14 also covers the rounding of the epilogue and of the bounds).
 FILTER_ERROR = 2.0**-14
 FILTER_SHAKE = 0.0  # tests only: move each approximate logit by this fraction of its bound
-FILTER_MAX_REGS = 128  # one-row filtering leaves (max_regs); not timed yet
+FILTER_MAX_REGS = 128  # one-row filtering leaves (max_regs)
+FILTER_MIN_CHUNK = 256  # filter leaves of at least this many pools (H200, exact -> filter: 1 x 128K, leaves of
+#                         128: 21.3 -> 32.3 us; 2 x 128K (128): 34.5 -> 38.8; 4 x 128K (256): 50.5 -> 45.8;
+#                         32 x 128K (512): 216 -> 165; 128 x 1M: 5.71 -> 4.04 ms; prefill 8192 x 32K: 52 -> 30 ms)
 REFINE_PROGRAMS_PER_SM = 4  # refine grid target (refine_programs)
 MAX_ROWS = 2  # query rows of one request per program (H200, verify 32 x 128K x 4 / prefill 8192 x 32K:
 #               1 row 1,092 us / 69.2 ms, 2 rows 866 / 54.9; 4 rows 1,225 / 69.0, 960 / 57.6 uncapped: spills)
@@ -177,22 +179,24 @@ def _refine_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, pt_ptr, pt_
 
 
 def scorer() -> str:
-    """``$KPOOL_SCORER``: ``exact`` (default) or ``filter`` (module docstring)."""
-    choice = os.environ.get(SCORER_ENV, "exact").strip().lower() or "exact"
+    """``$KPOOL_SCORER``: ``filter`` (default: filter and refine where ``filters`` allows) or
+    ``exact`` (every pool scored exactly; module docstring)."""
+    choice = os.environ.get(SCORER_ENV, "filter").strip().lower() or "filter"
     if choice not in ("filter", "exact"):
         raise ValueError(f"{SCORER_ENV} must be 'filter' or 'exact', got {choice!r}")
     return choice
 
 
 def filters(chunk: int, kb: int, n_chunks: int, n_cols: int, select_k: int) -> bool:
-    """Whether a leaf launch filters (``FILTER``): several leaves that keep all their keys, and
-    rows of ``n_cols`` pools whose bound rank is at most ``HEAD`` (shorter rows in the same
-    launch keep every pool as a survivor, all rescored exactly)."""
+    """Whether a leaf launch filters (``FILTER``): the scorer is ``filter``, several leaves of
+    ``FILTER_MIN_CHUNK`` to ``KB`` pools (they keep all their keys), and rows of ``n_cols`` pools
+    whose bound rank is at most ``HEAD`` (shorter rows in the same launch keep every pool as a
+    survivor, all rescored exactly)."""
     if FILTER_ERROR < MIN_FILTER_ERROR:
         raise ValueError(f"score.FILTER_ERROR must be at least {MIN_FILTER_ERROR} (logits.bound_keys' "
                          f"overflow guard), got {FILTER_ERROR}")
     full = max(n_cols // chunk, 1)
-    return (scorer() == "filter" and n_chunks >= 2 and topk.MIN_KB <= chunk <= kb
+    return (scorer() == "filter" and n_chunks >= 2 and max(FILTER_MIN_CHUNK, topk.MIN_KB) <= chunk <= kb
             and -(-select_k // full) <= topk.MIN_KB)
 
 
