@@ -202,7 +202,7 @@ def _bench_decode(ctx, case, impl):
     fn = _ours_decode(case) if impl == "ours" else _torch_decode(case)
     extra = {}
     if impl == "ours" and ctx.check:
-        cb, cc = min(b, 4), min(c, 16384)
+        cb, cc = min(b, 4), min(c, 131072)  # 4 x 128K: long rows, filtered like the case (score.filters)
         a = make_decode(ctx, cb, cc, nn, 99)
         got = _ours_decode(dict(case, ctx=cc))(*a).cpu()
         want = _reference_decode(*ctx.cpu(*a), topk)
@@ -287,7 +287,7 @@ def _bench_prefill(ctx, case, impl):
         def fn(cache, q, w, raw):
             return cache.topk_indices(["r"], q, w, index_topk=topk)
         if ctx.check:
-            cq, cn = min(n_q, 64), min(pools, 1024)
+            cq, cn = min(n_q, 64), min(pools, 16384)  # long rows: filtered like the case (score.filters)
             cache, q, w, (keys, gates, ape) = make_prefill(ctx, cq, cn, 99, topk)
             got = fn(cache, q, w, None).cpu()
             pos = torch.arange(cn * P - cq, cn * P)
