@@ -59,7 +59,9 @@ SCORER_ENV = "KPOOL_SCORER"
 # 15th session; 2^-14 also covers the rounding of the epilogue and of the bounds).
 FILTER_ERROR = 2.0**-14
 FILTER_SHAKE = 0.0  # tests only: move each approximate logit by this fraction of its bound
-FILTER_MAX_REGS = 128  # one-row filtering leaves (max_regs)
+FILTER_MAX_REGS = 80  # one-row filtering leaves (max_regs): 6 programs per SM, 14 spill loads / stores in the loop
+#                       (H200, 32 x 128K / 128 x 1M: cap 168 197.6 us / 4.84 ms, 128 (116 used) 164.1 / 4.06,
+#                       96 161.6 / 3.65, 80 155.1 / 3.60; pipeline stages 3 at 96: 159.6 / 3.61)
 FILTER_MIN_CHUNK = 256  # filter leaves of at least this many pools (H200, exact -> filter: 1 x 128K, leaves of
 #                         128: 21.3 -> 32.3 us; 2 x 128K (128): 34.5 -> 38.8; 4 x 128K (256): 50.5 -> 45.8;
 #                         32 x 128K (512): 216 -> 165; 128 x 1M: 5.71 -> 4.04 ms; prefill 8192 x 32K: 52 -> 30 ms)
@@ -216,7 +218,7 @@ def query_rows(next_n: int) -> int:
 
 def max_regs(filtered: bool = False, rows: int = 1) -> int:
     """CUDA register cap of a scoring launch: ``FILTER_MAX_REGS`` for one-row filtering leaves
-    (sm_90 SASS, triton 3.6: 116 registers, no spills: 4 programs per SM), else ``MAX_REGS``."""
+    (sm_90 SASS, triton 3.6: 6 programs per SM instead of 3), else ``MAX_REGS``."""
     return FILTER_MAX_REGS if filtered and rows == 1 else MAX_REGS
 
 
