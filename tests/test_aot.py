@@ -209,6 +209,10 @@ def test_launch_options_the_launchers_use():
             for c in (j.constexprs for j in jobs if j.kernel == "_paged_topk_kernel")}
     assert (True, False, True) in filt and (False, False, True) in filt
     assert not any(f and (final or not keeps_all) for f, final, keeps_all in filt)
+    # the scorer's register caps, per (FILTER, ROWS, H), as launch_options sets them on CUDA
+    caps = {(c["FILTER"], c["ROWS"], c["H"], j.options.get("maxnreg"))
+            for j, c in ((j, j.constexprs) for j in jobs if j.kernel == "_paged_topk_kernel")}
+    assert caps and all(cap == score.max_regs(f, rows, h) for f, rows, h, cap in caps)
     leaves = {(j.constexprs["KB"], j.constexprs["CHUNK"]) for j in jobs if j.kernel == "_chunk_topk_kernel"}
     assert any(c < kb for kb, c in leaves) and any(c >= kb for kb, c in leaves)
     assert min(c for _, c in leaves) == topk.MIN_CHUNK

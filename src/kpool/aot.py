@@ -355,7 +355,7 @@ def _filter_derive(m, c):
     """NT, FILTER (only where ``score.filters`` can choose it: several leaves that keep all
     their keys) and the register cap ``score.max_regs`` gives that launch."""
     filt = c["_filter"] and not c["FINAL"] and c["_chunk"] <= c["KB"]
-    return dict(NT=c["_chunk"] // m.BLOCK_POOLS, FILTER=filt, _opt_maxnreg=m.max_regs(filt, c["ROWS"]))
+    return dict(NT=c["_chunk"] // m.BLOCK_POOLS, FILTER=filt, _opt_maxnreg=m.max_regs(filt, c["ROWS"], c["H"]))
 
 
 def _score_specs(m):
@@ -366,7 +366,7 @@ def _score_specs(m):
                   cand_ptr="i64", count_ptr="i32", out_ptr="i32", lut_ptr="i32"),
         cross=(layout_axis(), fp8_axis("FP8_MAX", "FNUZ"), axis("H", SUPPORTED_HEADS)),
         cycle=(_leaf_axis(m.BLOCK_POOLS, "_chunk"), flag("FINAL"), _PAGE, axis("next_n", (1, "i32")),
-               axis("ROWS", (1, m.MAX_ROWS)), flag("_filter"),
+               axis("ROWS", (1, m.MAX_ROWS)), axis("_filter", (True, False, False)),  # period 3: filters at one and two rows
                int_ptr_axis("lens_ptr", "pt_ptr")),
         derive=lambda c: _filter_derive(m, c),
         fixed=dict(BN=m.BLOCK_POOLS, ERROR=m.FILTER_ERROR, SHAKE=m.FILTER_SHAKE), target_derive=native_fp8_param,

@@ -59,9 +59,10 @@ SCORER_ENV = "KPOOL_SCORER"
 # 15th session; 2^-14 also covers the rounding of the epilogue and of the bounds).
 FILTER_ERROR = 2.0**-14
 FILTER_SHAKE = 0.0  # tests only: move each approximate logit by this fraction of its bound
-FILTER_MAX_REGS = 80  # one-row filtering leaves (max_regs): 6 programs per SM, 14 spill loads / stores in the loop
-#                       (H200, 32 x 128K / 128 x 1M: cap 168 197.6 us / 4.84 ms, 128 (116 used) 164.1 / 4.06,
-#                       96 161.6 / 3.65, 80 155.1 / 3.60; pipeline stages 3 at 96: 159.6 / 3.61)
+FILTER_MAX_REGS = 80  # one-row filtering leaves of H <= 32 (max_regs): 6 programs per SM, 14 spill loads / stores
+#                       in the loop (H200, H = 32, 32 x 128K / 128 x 1M: cap 168 197.6 us / 4.84 ms, 128 (116 used)
+#                       164.1 / 4.06, 96 161.6 / 3.65, 80 155.1 / 3.60; pipeline stages 3 at 96: 159.6 / 3.61) ...
+FILTER_MAX_REGS_H64 = 128  # ... and of H = 64 (sm_90 SASS: no spills at 128, 47 spill loads at 80; not timed)
 FILTER_MIN_CHUNK = 256  # filter leaves of at least this many pools (H200, exact -> filter: 1 x 128K, leaves of
 #                         128: 21.3 -> 32.3 us; 2 x 128K (128): 34.5 -> 38.8; 4 x 128K (256): 50.5 -> 45.8;
 #                         32 x 128K (512): 216 -> 165; 128 x 1M: 5.71 -> 4.04 ms; prefill 8192 x 32K: 52 -> 30 ms)
@@ -216,15 +217,18 @@ def query_rows(next_n: int) -> int:
     return min(MAX_ROWS, triton.next_power_of_2(next_n))
 
 
-def max_regs(filtered: bool = False, rows: int = 1) -> int:
-    """CUDA register cap of a scoring launch: ``FILTER_MAX_REGS`` for one-row filtering leaves
-    (sm_90 SASS, triton 3.6: 6 programs per SM instead of 3), else ``MAX_REGS``."""
-    return FILTER_MAX_REGS if filtered and rows == 1 else MAX_REGS
+def max_regs(filtered: bool = False, rows: int = 1, heads: int = 32) -> int:
+    """CUDA register cap of a scoring launch: ``FILTER_MAX_REGS`` (``FILTER_MAX_REGS_H64`` at
+    64 heads) for one-row filtering leaves, else ``MAX_REGS``."""
+    if filtered and rows == 1:
+        return FILTER_MAX_REGS_H64 if heads > 32 else FILTER_MAX_REGS
+    return MAX_REGS
 
 
-def launch_options(device, filtered: bool = False, rows: int = 1) -> dict:
+def launch_options(device, filtered: bool = False, rows: int = 1, heads: int = 32) -> dict:
     """Compile options of the scoring kernels: the register cap (``max_regs``) applies to CUDA targets only."""
-    return dict(num_warps=NUM_WARPS, enable_fp_fusion=False, **register_cap(device, max_regs(filtered, rows)))
+    return dict(num_warps=NUM_WARPS, enable_fp_fusion=False,
+                **register_cap(device, max_regs(filtered, rows, heads)))
 
 
 def paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, *, layout=None, fp8_dtype=None,
@@ -271,7 +275,7 @@ def paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, *
             PAGE=kv_cache.shape[1], BN=BLOCK_POOLS, NT=chunk // BLOCK_POOLS, KB=kb, H=heads, ROWS=rows_per_prog,
             PRESHUFFLE=layout == "preshuffle", FINAL=final, **decode_args(fp8_dtype, device),
             FILTER=filtered, FP8_MAX=fp8_max(fp8_dtype), ERROR=FILTER_ERROR, SHAKE=FILTER_SHAKE,
-            **launch_options(device, filtered, rows_per_prog), **pdl_launch(device),
+            **launch_options(device, filtered, rows_per_prog, heads), **pdl_launch(device),
         )
         return filtered
 
