@@ -365,8 +365,9 @@ def _score_specs(m):
         ptrs=dict(q_ptr="u8", w_ptr="fp32", lens_ptr="i64", pt_ptr="i32", kv_ptr="u8", kv_f32_ptr="fp32",
                   cand_ptr="i64", count_ptr="i32", out_ptr="i32", lut_ptr="i32"),
         cross=(layout_axis(), fp8_axis("FP8_MAX", "FNUZ"), axis("H", SUPPORTED_HEADS)),
+        # _filter has period 3 against ROWS' 2: filtering leaves of one and of two rows
         cycle=(_leaf_axis(m.BLOCK_POOLS, "_chunk"), flag("FINAL"), _PAGE, axis("next_n", (1, "i32")),
-               axis("ROWS", (1, m.MAX_ROWS)), axis("_filter", (True, False, False)),  # period 3: filters at one and two rows
+               axis("ROWS", (1, m.MAX_ROWS)), axis("_filter", (True, False, False)),
                int_ptr_axis("lens_ptr", "pt_ptr")),
         derive=lambda c: _filter_derive(m, c),
         fixed=dict(BN=m.BLOCK_POOLS, ERROR=m.FILTER_ERROR, SHAKE=m.FILTER_SHAKE), target_derive=native_fp8_param,
