@@ -110,8 +110,19 @@ def test_exactness_run_scoring_check(device, fp8_dtype, layout):
     leaves per row, some rows with at most ``select_k`` pools; nothing differs."""
     from kpool import exactness
     gen = torch.Generator().manual_seed(5)
-    diff, total = exactness.check_scores(4, 700, 16, 16, fp8_dtype, layout, device, gen)
-    assert total == 4 * 700 + 4 * 16 and diff == 0
+    diff, total, filtered = exactness.check_scores(4, 700, 16, 16, fp8_dtype, layout, device, gen)
+    assert total == 4 * 700 + 4 * 16 and diff == 0 and not filtered  # leaves of 128: exact
+
+
+def test_exactness_run_reports_filtering(device, monkeypatch):
+    """``check_scores`` says when the fused selection's leaves filtered (here: leaves of 128
+    allowed to, 18 leaves per row at select_k 128) and the ids still match."""
+    from kpool import exactness
+    monkeypatch.setattr(score, "FILTER_MIN_CHUNK", 0)
+    monkeypatch.delenv(score.SCORER_ENV, raising=False)
+    diff, total, filtered = exactness.check_scores(2, 2304, 16, 128, torch.float8_e4m3fn, "plain", device,
+                                                   torch.Generator().manual_seed(8))
+    assert filtered and diff == 0 and total == 2 * 2304 + 2 * 128
 
 
 def test_exactness_run_picks_ops(device, capsys):
@@ -124,6 +135,7 @@ def test_exactness_run_picks_ops(device, capsys):
                                      torch.Generator().manual_seed(7), log=lines.append)
     assert bad == 0 and [r["op"] for r in rows] == ["compress"] * 8 + ["score"] * 4 and len(lines) == 12
     assert all(r["differing_bytes"] == 0 for r in rows[:8]) and all(r["H"] == 16 for r in rows[8:])
+    assert all(r["filtered"] is False for r in rows[8:]) and "exact leaves" in lines[-1]
     with pytest.raises(SystemExit):
         exactness.main(["--ops", "compress,bogus"])
     assert "--ops takes a comma list" in capsys.readouterr().err
@@ -142,7 +154,7 @@ def test_exactness_run_scoring_check_counts_differences(device, monkeypatch):
 
     monkeypatch.setattr(kpool, "paged_pool_topk", off_by_one)
     gen = torch.Generator().manual_seed(6)
-    diff, _ = exactness.check_scores(2, 300, 16, 16, torch.float8_e4m3fn, "plain", device, gen)
+    diff, _, _ = exactness.check_scores(2, 300, 16, 16, torch.float8_e4m3fn, "plain", device, gen)
     assert diff == 1
 
 

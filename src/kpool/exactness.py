@@ -6,7 +6,8 @@ the rings) with the CPU reference, for P in {4, 16}, both fp8 formats and both l
 then decode / verify steps (``decode_cases``: next_n 1, 4 and P + 1, at 64 requests and at
 ``--decode-requests``, covering every warp count of the decode kernel); then the scorers
 (``check_scores``: paged logits and the fused selection over ``--score-requests`` x
-``--score-pools`` random fp8 pools, both formats, both layouts, ``--heads``). ``--ops`` picks
+``--score-pools`` random fp8 pools, both formats, both layouts, ``--heads``; each line says
+whether the fused selection's leaves filtered, ``ops/score.py``). ``--ops`` picks
 a subset (``compress,decode,score``) so that a run fits a device call's time limit. Prints one
 line per case and exits non-zero on any differing byte.
 """
@@ -14,6 +15,7 @@ line per case and exits non-zero on any differing byte.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -95,12 +97,30 @@ def _finite_codes(shape, fp8_dtype, gen):
     return codes[torch.randint(0, codes.numel(), shape, generator=gen)]
 
 
+@contextlib.contextmanager
+def _filter_decisions():
+    """Record what ``ops.score.filters`` decides for each leaf launch inside the block (a list
+    of bools)."""
+    from kpool.ops import score
+    real, seen = score.filters, []
+
+    def spy(*args):
+        seen.append(real(*args))
+        return seen[-1]
+    score.filters = spy
+    try:
+        yield seen
+    finally:
+        score.filters = real
+
+
 def check_scores(num_req, n_pools, heads, select_k, fp8_dtype, layout, device, gen, page=64):
     """``paged_pool_logits`` and ``paged_pool_topk`` (Triton on ``device``) vs the torch
     reference on the CPU: requests of up to ``n_pools`` random pools each (uniformly random
     finite codes, power-of-two and other scales) on shuffled pages of a random-byte cache,
-    random visible counts (some at most ``select_k``). Returns ``(differing values, compared)``:
-    logits compared as fp32 bits (any NaN matches any NaN), selections as int32."""
+    random visible counts (some at most ``select_k``). Returns ``(differing values, compared,
+    filtered)``: logits compared as fp32 bits (any NaN matches any NaN), selections as int32;
+    ``filtered``: whether the fused selection's leaves filtered (``score.filters``)."""
     import kpool
     from kpool import reference
     from kpool.layout import write_entries
@@ -124,9 +144,10 @@ def check_scores(num_req, n_pools, heads, select_k, fp8_dtype, layout, device, g
     want_ids = reference.select_pools(want, pool_lens.view(-1), select_k)
     dev = tuple(a.to(device) for a in args)
     got = _with_backend("triton", lambda: kpool.paged_pool_logits(*dev, **opts)).cpu()
-    got_ids = _with_backend("triton", lambda: kpool.paged_pool_topk(*dev, select_k, **opts)).cpu()
+    with _filter_decisions() as filtered:
+        got_ids = _with_backend("triton", lambda: kpool.paged_pool_topk(*dev, select_k, **opts)).cpu()
     same = (got.view(torch.int32) == want.view(torch.int32)) | (torch.isnan(got) & torch.isnan(want))
-    return int((~same).sum()) + int((got_ids != want_ids).sum()), got.numel() + got_ids.numel()
+    return int((~same).sum()) + int((got_ids != want_ids).sum()), got.numel() + got_ids.numel(), any(filtered)
 
 
 def decode_cases(p, many):
@@ -174,11 +195,12 @@ def run_checks(ops, pools, decode_requests, score_requests, score_pools, heads, 
         for fp8 in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
             for layout in ("plain", "preshuffle"):
                 t0 = time.perf_counter()
-                diff, total = check_scores(score_requests, score_pools, h, 512, fp8, layout, device, gen)
+                diff, total, filtered = check_scores(score_requests, score_pools, h, 512, fp8, layout, device, gen)
                 rows.append(dict(op="score", H=h, fp8=str(fp8), layout=layout, requests=score_requests,
-                                 pools=score_pools, values_compared=total, differing_values=diff))
+                                 pools=score_pools, filtered=filtered, values_compared=total, differing_values=diff))
                 log(f"score    H={h} {str(fp8):22s} {layout:10s} requests={score_requests} "
-                    f"pools={score_pools} differing values {diff} / {total}  ({time.perf_counter() - t0:.1f}s)")
+                    f"pools={score_pools} {'filtered' if filtered else 'exact leaves'} "
+                    f"differing values {diff} / {total}  ({time.perf_counter() - t0:.1f}s)")
                 bad += diff
     return rows, bad
 
