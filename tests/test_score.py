@@ -10,6 +10,7 @@ H in {16, 32, 64}, leaves small enough for 10-12 per row (threshold selection), 
 import pytest
 import torch
 from kpool import reference
+from kpool.layout import write_entries
 from kpool.ops import score, topk
 from kpool.ops.logits import paged_pool_logits
 from kpool.ops.score import paged_pool_topk
@@ -21,9 +22,14 @@ FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
 
 def run_case(device, *, batch, next_n, heads, page, pages_per, lens, select_k, fp8_dtype, layout="plain",
-             seed=0, bad_page=False, duplicate=False):
+             seed=0, bad_page=False, duplicate=False, nan_codes=False):
     num_pages = batch * pages_per + 1
     kv, codes, scales = make_cache(num_pages, page, fp8_dtype, seed, layout)
+    if nan_codes:  # one NaN code in every 37th pool (a NaN key: its logit is NaN, ranked last)
+        u8 = codes.view(torch.uint8).clone()
+        bad = torch.arange(3, u8.shape[0], 37)
+        u8[bad, (bad * 7) % 128] = 0x80 if fp8_dtype == torch.float8_e4m3fnuz else 0x7F
+        write_entries(kv, bad, u8[bad], scales[bad], layout)
     if duplicate:  # every pool of page 1 a copy of page 0's: exact ties between pools of different chunks
         kv[1] = kv[0]
     g = torch.Generator().manual_seed(seed + 7)
@@ -56,10 +62,10 @@ def test_matches_logits_then_select(backend, device, heads, fp8_dtype):
 
 def test_leaves_ties_and_bad_page(backend, device, monkeypatch):
     """Leaves of 64 pools (one tile): 10-12 leaves per row (threshold selection); duplicated pages
-    tie across leaves; a bad page scores NaN and ranks after every other pool."""
+    tie across leaves; NaN key codes and a bad page score NaN and rank after every other pool."""
     monkeypatch.setattr(topk, "MIN_CHUNK", 32)
     run_case(device, batch=2, next_n=1, heads=16, page=64, pages_per=12, lens=[768, 700],
-             select_k=24, fp8_dtype=torch.float8_e4m3fn, seed=5, duplicate=True)
+             select_k=24, fp8_dtype=torch.float8_e4m3fn, seed=5, duplicate=True, nan_codes=True)
     _, logits_nan = run_case(device, batch=2, next_n=2, heads=16, page=64, pages_per=12,
                              lens=[740, 741, 127, 768], select_k=700, fp8_dtype=torch.float8_e4m3fn, seed=6,
                              bad_page=True)
@@ -186,13 +192,13 @@ def _filter_choices(monkeypatch):
                                                       (64, FP8[0], "plain")])
 def test_filter_selects_exactly(device, heads, fp8_dtype, layout, monkeypatch):
     """Long rows are filtered (one fp16 MMA per tile, lower and upper keys) and their survivors
-    rescored exactly: the same ids as the exact reference, with a bad page (NaN: always a
-    survivor, ranked last) and pages repeated across leaves (exact ties)."""
+    rescored exactly: the same ids as the exact reference, with a bad page and NaN key codes
+    (NaN: always a survivor, ranked last) and pages repeated across leaves (exact ties)."""
     monkeypatch.setenv("KPOOL_BACKEND", "triton")
     monkeypatch.setenv(score.SCORER_ENV, "filter")
     used = _filter_choices(monkeypatch)
     run_case(device, heads=heads, fp8_dtype=fp8_dtype, layout=layout, seed=heads, bad_page=True, duplicate=True,
-             **FILTER_CASE)
+             nan_codes=True, **FILTER_CASE)
     assert used == [True]
 
 
