@@ -279,3 +279,20 @@ def test_profile_mode_runs_each_unit_without_timing(tmp_path, monkeypatch):
         assert "gbps" not in r and all(t["ok"] is None for t in r.get("targets", []))
     with pytest.raises(SystemExit, match="profiling run"):
         _load("merge_results").merge(doc, doc, {"expand"})
+
+
+def test_ab_runs_each_variant_in_its_own_tree(tmp_path, capsys, monkeypatch):
+    """``benchmarks/ab.py``: one process per variant, its tree first on the path and its patch
+    applied; a variant that fails is reported and the others still give records."""
+    ab = _load("ab")
+    src = str(BENCH_DIR.parent / "src")
+    monkeypatch.setenv("KPOOL_BACKEND", "torch")
+    out = tmp_path / "ab.json"
+    rc = ab.main(["--op", "expand", "--mode", "dry", "--device", "cpu", "--impls", "ours", "--out", str(out),
+                  "--variant", f"plain={src}", "--variant", f"broken={src}::raise SystemExit(3)"])
+    recs = json.loads(out.read_text())
+    assert rc == 0 and recs and {r["variant"] for r in recs} == {"plain"}
+    assert all(r["kpool_file"].startswith(src) and r["impl"] == "ours" for r in recs)
+    assert "broken: exit 3" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ab.main(["--op", "expand"])
