@@ -175,34 +175,32 @@ FILTER_CASE = dict(batch=2, next_n=3, page=64, pages_per=36, select_k=128,
                    lens=[2304, 2303, 300, 0, 1500, 128])
 
 
-def _filter_choices(monkeypatch):
-    """Record what ``score.filters`` decides for each leaf launch; leaves of any size may filter
-    (the CPU lanes and small GPU cases use leaves of 128 pools, below ``FILTER_MIN_CHUNK``)."""
-    used, real = [], score.filters
-
-    def spy(*args):
-        used.append(real(*args))
-        return used[-1]
-    monkeypatch.setattr(score, "filters", spy)
+@pytest.fixture
+def filter_choices(monkeypatch):
+    """What ``score.filters`` decides for each leaf launch (``exactness.filter_decisions``);
+    leaves of any size may filter (the CPU lanes and small GPU cases use leaves of 128 pools,
+    below ``FILTER_MIN_CHUNK``)."""
+    from kpool import exactness
     monkeypatch.setattr(score, "FILTER_MIN_CHUNK", 0)
-    return used
+    with exactness.filter_decisions() as used:
+        yield used
 
 
 @pytest.mark.parametrize("heads, fp8_dtype, layout", [(16, FP8[0], "plain"), (32, FP8[1], "preshuffle"),
                                                       (64, FP8[0], "plain")])
-def test_filter_selects_exactly(device, heads, fp8_dtype, layout, monkeypatch):
+def test_filter_selects_exactly(device, heads, fp8_dtype, layout, monkeypatch, filter_choices):
     """Long rows are filtered (one fp16 MMA per tile, lower and upper keys) and their survivors
     rescored exactly: the same ids as the exact reference, with a bad page and NaN key codes
     (NaN: always a survivor, ranked last) and pages repeated across leaves (exact ties)."""
     monkeypatch.setenv("KPOOL_BACKEND", "triton")
     monkeypatch.setenv(score.SCORER_ENV, "filter")
-    used = _filter_choices(monkeypatch)
+    used = filter_choices
     run_case(device, heads=heads, fp8_dtype=fp8_dtype, layout=layout, seed=heads, bad_page=True, duplicate=True,
              nan_codes=True, **FILTER_CASE)
     assert used == [True]
 
 
-def test_filter_bounds_hold_under_the_whole_error_budget(device, monkeypatch):
+def test_filter_bounds_hold_under_the_whole_error_budget(device, monkeypatch, filter_choices):
     """With a budget of 1/8 of each head's dot magnitude and every approximate logit moved by
     0.9 of its bound (``FILTER_SHAKE``), the selection is still exact: the row bound comes from
     lower keys, every pool whose upper key reaches it is rescored. A filter that took the bound
@@ -211,17 +209,17 @@ def test_filter_bounds_hold_under_the_whole_error_budget(device, monkeypatch):
     monkeypatch.setenv(score.SCORER_ENV, "filter")
     monkeypatch.setattr(score, "FILTER_ERROR", 2.0**-3)
     monkeypatch.setattr(score, "FILTER_SHAKE", 0.9)
-    used = _filter_choices(monkeypatch)
+    used = filter_choices
     for seed in (21, 22):
         run_case(device, heads=16, fp8_dtype=FP8[0], seed=seed, **FILTER_CASE)
     assert used == [True, True]
 
 
-def test_scorer_switch(device, monkeypatch):
+def test_scorer_switch(device, monkeypatch, filter_choices):
     """``$KPOOL_SCORER``: filter by default (and when set so), exact on request, else an error."""
     monkeypatch.setenv("KPOOL_BACKEND", "triton")
     monkeypatch.delenv(score.SCORER_ENV, raising=False)
-    used = _filter_choices(monkeypatch)
+    used = filter_choices
     run_case(device, heads=16, fp8_dtype=FP8[0], seed=22, **FILTER_CASE)
     monkeypatch.setenv(score.SCORER_ENV, "exact")
     run_case(device, heads=16, fp8_dtype=FP8[0], seed=22, **FILTER_CASE)

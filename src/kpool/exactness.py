@@ -98,9 +98,9 @@ def _finite_codes(shape, fp8_dtype, gen):
 
 
 @contextlib.contextmanager
-def _filter_decisions():
+def filter_decisions():
     """Record what ``ops.score.filters`` decides for each leaf launch inside the block (a list
-    of bools)."""
+    of bools; also the tests' record of it)."""
     from kpool.ops import score
     real, seen = score.filters, []
 
@@ -144,7 +144,7 @@ def check_scores(num_req, n_pools, heads, select_k, fp8_dtype, layout, device, g
     want_ids = reference.select_pools(want, pool_lens.view(-1), select_k)
     dev = tuple(a.to(device) for a in args)
     got = _with_backend("triton", lambda: kpool.paged_pool_logits(*dev, **opts)).cpu()
-    with _filter_decisions() as filtered:
+    with filter_decisions() as filtered:
         got_ids = _with_backend("triton", lambda: kpool.paged_pool_topk(*dev, select_k, **opts)).cpu()
     same = (got.view(torch.int32) == want.view(torch.int32)) | (torch.isnan(got) & torch.isnan(want))
     return int((~same).sum()) + int((got_ids != want_ids).sum()), got.numel() + got_ids.numel(), any(filtered)
