@@ -229,20 +229,35 @@ def bound_keys(a, e, j, vis):
 
 
 @triton.jit
-def paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_row_ptr, pt_sp, j0, n_vis,
-               PAGE: tl.constexpr, BN: tl.constexpr, PRESHUFFLE: tl.constexpr):
-    """Entries of pools ``j0 .. j0 + BN - 1`` (``j0`` a multiple of ``BN``) of one row's page
-    table ``pt_row_ptr`` (stride ``pt_sp``): ``(codes, kscale [BN] fp32, ok [BN])``, ``codes``
-    the uint8 key codes of dims 0-63 and 64-127 (``[BN, 64]`` each), ``ok`` = visible
-    (``j < n_vis``) and on a page inside ``[0, num_pages)``;
-    entries not ``ok`` are not read (zeros).
+def tile_pages(pt_row_ptr, pt_sp, j0, n_vis, NT: tl.constexpr, BN: tl.constexpr, PAGE: tl.constexpr):
+    """Page ids ``[NT]`` (int64) of the ``NT`` tiles of ``BN`` pools from pool ``j0`` (a
+    multiple of ``BN``) in one row's page table ``pt_row_ptr`` (stride ``pt_sp``), for
+    ``paged_tile``. Only ``PAGE % BN == 0`` (a tile lies in one page) loads them; a tile
+    past the row's ``n_vis`` visible pools reads column 0 (a row with visible pools has one).
+    Loading them before a tile loop keeps the loop's loads independent of each other, so
+    Triton's pipeliner can keep the next tile's entries in flight."""
+    t = j0 + tl.arange(0, NT) * BN
+    if PAGE % BN == 0:
+        pages = tl.load(pt_row_ptr + tl.where(t < n_vis, t // PAGE, 0) * pt_sp).to(tl.int64)
+    else:
+        pages = tl.zeros((NT,), tl.int64)  # unused: paged_tile looks up each pool's page
+    return pages
 
-    When ``PAGE % BN == 0`` the tile lies in one page: one page-table load, a scalar page
-    base and int32 in-page offsets; otherwise a page lookup per pool."""
+
+@triton.jit
+def paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pages, i, pt_row_ptr, pt_sp, j0, n_vis,
+               PAGE: tl.constexpr, BN: tl.constexpr, PRESHUFFLE: tl.constexpr):
+    """Entries of pools ``j0 .. j0 + BN - 1`` (``j0`` a multiple of ``BN``, tile ``i`` of
+    ``pages = tile_pages(...)``) of one row's page table ``pt_row_ptr`` (stride ``pt_sp``):
+    ``(codes, kscale [BN] fp32, ok [BN])``, ``codes`` the uint8 key codes of dims 0-63 and
+    64-127 (``[BN, 64]`` each), ``ok`` = visible (``j < n_vis``) and on a page inside
+    ``[0, num_pages)``; entries not ``ok`` are not read (zeros).
+
+    When ``PAGE % BN == 0`` the tile lies in one page: its id from ``pages`` (registers, no
+    load), a scalar page base and int32 in-page offsets; otherwise a page lookup per pool."""
     j = j0 + tl.arange(0, BN)
     if PAGE % BN == 0:
-        # a tile past the row's visible pools reads column 0 (a row with visible pools has one)
-        pg = tl.load(pt_row_ptr + tl.where(j0 < n_vis, j0 // PAGE, 0) * pt_sp).to(tl.int64)
+        pg = tl.sum(tl.where(tl.arange(0, pages.shape[0]) == i, pages, 0))
         on_page = (pg >= 0) & (pg < num_pages)
         ok = j < tl.where(on_page, n_vis, 0)  # a vector compare: the interpreter mis-broadcasts scalar masks
         base = tl.where(on_page, pg, 0) * page_stride  # scalar page byte offset
@@ -304,7 +319,9 @@ def _paged_logits_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_
     out = tl.full((BN,), float("-inf"), tl.float32)
     if blk * BN < n_vis:
         q, q_nan = row_query(q_ptr + b * q_sb + t * q_sn, q_sh, lut_ptr, H, FNUZ, NATIVE_FP8)
-        codes, kscale, ok = paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_ptr + b * pt_sb, pt_sp,
+        pt_row = pt_ptr + b * pt_sb
+        pages = tile_pages(pt_row, pt_sp, blk * BN, n_vis, 1, BN, PAGE)
+        codes, kscale, ok = paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pages, 0, pt_row, pt_sp,
                                        blk * BN, n_vis, PAGE, BN, PRESHUFFLE)
         w = tl.load(w_ptr + b * w_sb + t * w_sn + tl.arange(0, H) * w_sh)
         out = tl.reshape(paged_tile_logits(q, q_nan, w, codes, kscale, ok, (j < n_vis)[:, None], lut_ptr,

@@ -47,7 +47,7 @@ from . import _pdl, topk
 from ._jit_fp8 import halves_table
 from .logits import (MIN_FILTER_ERROR, approx_block_logits, bound_keys, check_paged_args, decode_args,
                      logit_error_scale, paged_tile, paged_tile_logits, pool_entries, query_halves, query_values,
-                     row_query)
+                     row_query, tile_pages)
 
 BLOCK_POOLS = 64  # pools per scoring tile: the MMA's M (one wgmma warpgroup on Hopper)
 NUM_WARPS = 4
@@ -111,11 +111,12 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
         j0 = chunk * NT * BN  # first pool of the tile
         j = j0 + tl.arange(0, BN)
         n_leaf = tl.minimum(n_max, (chunk + 1) * NT * BN)  # the leaf's last pool any row sees + 1
+        pages = tile_pages(pt_row, pt_sp, j0, n_leaf, NT, BN, PAGE)
         for i in tl.range(NT, num_stages=PIPELINE_STAGES):
             # Triton's pipeliner loads later tiles' entries (cp.async into shared memory) while
             # this one is scored; the key codes reach the MMA operand's layout as bytes
-            codes, kscale, ok = paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pt_row, pt_sp, j0, n_leaf,
-                                           PAGE, BN, PRESHUFFLE)
+            codes, kscale, ok = paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pages, i, pt_row, pt_sp, j0,
+                                           n_leaf, PAGE, BN, PRESHUFFLE)
             if (chunk * NT + i) * BN < n_max:
                 seen = j[:, None] < n_vis[None, :]  # [BN, ROWS]
                 if FILTER:
