@@ -170,8 +170,8 @@ def block_logits(q, q_nan, w, codes, kscale, lut_ptr, BN: tl.constexpr, H: tl.co
 
 @triton.jit
 def _weighted_heads(dot, nan, kscale, w, BN: tl.constexpr, H: tl.constexpr, R: tl.constexpr):
-    """Step 2 of the module docstring on head dots ``[BN, R * H]`` (NaN where ``nan``):
-    ``* kscale``, relu, ``* w``, the pairwise head tree -> ``[BN, R]``."""
+    """Step 2 of the module docstring on head dots ``[BN, R * H]`` (NaN where ``nan``, a mask
+    or ``False``): ``* kscale``, relu, ``* w``, the pairwise head tree -> ``[BN, R]``."""
     s = tl.where(nan, float("nan"), dot) * kscale[:, None]
     r = tl.where(s < 0, 0.0, s)
     return tl.reshape(_head_tree(tl.reshape(r * w[None, :], (BN * R, H)), BN * R, H), (BN, R))
@@ -194,15 +194,16 @@ def query_values(q):
 
 
 @triton.jit
-def approx_block_logits(q16, q_nan, w, codes, kscale, lut_ptr, BN: tl.constexpr, H: tl.constexpr,
+def approx_block_logits(q16, w, codes, kscale, lut_ptr, BN: tl.constexpr, H: tl.constexpr,
                         R: tl.constexpr, FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
     """``block_logits`` from one fp16 MMA of the codes' values (``query_values``): every
-    product is exact, only the MMA's fp32 accumulation and the epilogue round. ``[BN, R]``."""
-    ka, a_nan = _jit_fp8.fp8_values(codes[0], lut_ptr, FNUZ, NATIVE_FP8)
-    kb, b_nan = _jit_fp8.fp8_values(codes[1], lut_ptr, FNUZ, NATIVE_FP8)
-    k_nan = tl.max((a_nan | b_nan).to(tl.int32), axis=1) > 0
+    product is exact, only the MMA's fp32 accumulation and the epilogue round. ``[BN, R]``.
+    A NaN code (key or query) makes its dots NaN through the MMA itself (IEEE propagation),
+    so no NaN flags are reduced here; ``bound_keys`` turns a NaN logit into a survivor."""
+    ka, _ = _jit_fp8.fp8_values(codes[0], lut_ptr, FNUZ, NATIVE_FP8)
+    kb, _ = _jit_fp8.fp8_values(codes[1], lut_ptr, FNUZ, NATIVE_FP8)
     dot = tl.dot(ka, q16[0], tl.dot(kb, q16[1]))  # [BN, R * H]
-    return _weighted_heads(dot, k_nan[:, None] | q_nan[None, :], kscale, w, BN, H, R)
+    return _weighted_heads(dot, False, kscale, w, BN, H, R)
 
 
 @triton.jit

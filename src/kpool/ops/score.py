@@ -103,10 +103,10 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
         w = tl.load(w_ptr + b * w_sb + (t0 + c // H) * w_sn + (c % H) * w_sh, mask=q_live, other=0.0)
         tiles = tl.arange(0, NT)
         keys = tl.full((NT, BN, ROWS), topk.NO_KEY, tl.int64)  # INT64_MIN = not seen
-        if FILTER:  # keys = lower bounds, keys_hi = upper bounds of the exact keys (module docstring)
+        if FILTER:  # keys = lower bounds; the upper bounds of the exact keys go to the lists (module docstring)
             q16, q_l1 = query_values(q)
             err = logit_error_scale(w, q_l1, H, ROWS, FP8_MAX, ERROR)  # [ROWS]
-            keys_hi = tl.full((NT, BN, ROWS), topk.NO_KEY, tl.int64)
+            lists = topk.leaf_list(cand_ptr, tl.where(live, rows, b * next_n) * n_chunks + chunk, NT * BN, KB)
         pt_row = pt_ptr + b * pt_sb
         j0 = chunk * NT * BN  # first pool of the tile
         j = j0 + tl.arange(0, BN)
@@ -117,22 +117,24 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
             # this one is scored; the key codes reach the MMA operand's layout as bytes
             codes, kscale, ok = paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pages, i, pt_row, pt_sp, j0,
                                            n_leaf, PAGE, BN, PRESHUFFLE)
+            hi = tl.full((BN, ROWS), topk.NO_KEY, tl.int64)  # tiles no row sees: not seen
             if (chunk * NT + i) * BN < n_max:
                 seen = j[:, None] < n_vis[None, :]  # [BN, ROWS]
                 if FILTER:
-                    a = approx_block_logits(q16, q_nan, w, codes, kscale, lut_ptr, BN, H, ROWS, FNUZ, NATIVE_FP8)
+                    a = approx_block_logits(q16, w, codes, kscale, lut_ptr, BN, H, ROWS, FNUZ, NATIVE_FP8)
                     a = tl.where(seen, tl.where(ok[:, None], a, float("nan")), float("-inf"))
                     e = kscale[:, None] * err[None, :]
                     if SHAKE != 0.0:  # test hook (FILTER_SHAKE): a within its bound, up or down by the id
                         a += tl.where(((j * 2654435761) >> 11) % 2 == 0, SHAKE, -SHAKE)[:, None] * e
                     lo, hi = bound_keys(a, e, j[:, None], seen)
                     keys = tl.where(tiles[:, None, None] == i, lo[None, :, :], keys)
-                    keys_hi = tl.where(tiles[:, None, None] == i, hi[None, :, :], keys_hi)
                 else:
                     x = paged_tile_logits(q, q_nan, w, codes, kscale, ok, seen, lut_ptr, BN, H, ROWS, FNUZ,
                                           NATIVE_FP8)
                     keys = tl.where(tiles[:, None, None] == i, topk.pool_keys(x, j[:, None], seen)[None, :, :],
                                     keys)
+            if FILTER:
+                topk.store_upper_keys(lists, i, hi, live, BN)
             j0 += BN
             j += BN
         for r in tl.static_range(ROWS):
@@ -142,9 +144,7 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
                 lst = topk.leaf_list(cand_ptr, row * n_chunks + chunk, NT * BN, KB)
                 n_row = tl.max(tl.where(rr == r, n_vis, 0))
                 if FILTER:
-                    mine_hi = tl.max(tl.where(rr[None, None, :] == r, keys_hi, topk.NO_KEY), axis=2)
-                    topk.store_leaf_bounds(tl.reshape(mine, (NT * BN,)), tl.reshape(mine_hi, (NT * BN,)), lst,
-                                           n_row, select_k, NT * BN, KB)
+                    topk.store_leaf_bounds(tl.reshape(mine, (NT * BN,)), lst, n_row, select_k, NT * BN, KB)
                 else:
                     topk.store_leaf(tl.reshape(mine, (NT * BN,)), lst, out_ptr + row * out_stride, n_row, select_k,
                                     NT * BN, KB, FINAL)

@@ -178,15 +178,22 @@ def store_leaf(keys, cand_ptr, out_ptr, n_vis, select_k, CHUNK: tl.constexpr, KB
 
 
 @triton.jit
-def store_leaf_bounds(lower, upper, cand_ptr, n_vis, select_k, CHUNK: tl.constexpr, KB: tl.constexpr):
-    """A filtering leaf's list (``FILTER``, a leaf that keeps all its keys): its ``HEAD`` best
-    *lower* keys sorted, then all its *upper* keys unsorted; when the row's bound rank is
-    above ``HEAD`` the ``HEAD`` slots are not written (``_row_bound`` then bounds nothing)."""
+def store_leaf_bounds(lower, cand_ptr, n_vis, select_k, CHUNK: tl.constexpr, KB: tl.constexpr):
+    """A filtering leaf's list head (``FILTER``, a leaf that keeps all its keys): its ``HEAD``
+    best *lower* keys sorted; when the row's bound rank is above ``HEAD`` they are not
+    written (``_row_bound`` then bounds nothing). The list's other ``CHUNK`` slots hold all
+    its *upper* keys unsorted, stored tile by tile (``store_upper_keys``)."""
     tl.static_assert((CHUNK <= KB) and (CHUNK >= HEAD), "a filtering leaf keeps all its keys")
     _, rank = _bound_rank(n_vis, CHUNK, select_k)
     if _unsorted_list(rank, CHUNK, CHUNK):
         tl.store(cand_ptr + tl.arange(0, HEAD), tl.topk(lower, HEAD))
-    tl.store(cand_ptr + HEAD + tl.arange(0, CHUNK), upper)
+
+
+@triton.jit
+def store_upper_keys(lists, i, upper, live, BN: tl.constexpr):
+    """Tile ``i``'s upper keys ``[BN, R]`` into the unsorted part of the leaf lists ``lists``
+    ``[R]`` (``leaf_list`` pointers of R rows; rows not ``live [R]`` untouched)."""
+    tl.store(lists[None, :] + HEAD + i * BN + tl.arange(0, BN)[:, None], upper, mask=live[None, :])
 
 
 @triton.jit
