@@ -27,7 +27,9 @@ The result is the exact selection as long as the MMA's error stays within the bu
 ``sum_d |q_d k_d|``. An fp32 accumulation of the 128 exact products in any order, rounding
 or truncating, stays within ``2^-16`` of it; the H200's fp16 MMA measured ``2^-20``, and
 ``python -m kpool.exactness --ops score`` (32 x 65,536 pools, H 32 and 64, both formats and
-layouts) is exact there (benchmarks/NOTES.md). Rows of the same launch that are too short
+layouts) is exact there (benchmarks/NOTES.md). A NaN key or query code reaches the approximate
+logit through the MMA (IEEE propagation; ``test_score``'s NaN key codes check it on each GPU)
+and makes the pool a survivor (``logits.bound_keys``). Rows of the same launch that are too short
 for the bound keep every pool as a survivor (all rescored exactly).
 """
 
@@ -59,10 +61,10 @@ SCORER_ENV = "KPOOL_SCORER"
 # 15th session; 2^-14 also covers the rounding of the epilogue and of the bounds).
 FILTER_ERROR = 2.0**-14
 FILTER_SHAKE = 0.0  # tests only: move each approximate logit by this fraction of its bound
-FILTER_MAX_REGS = 80  # one-row filtering leaves of H <= 32 (max_regs): 6 programs per SM, 14 spill loads / stores
-#                       in the loop (H200, H = 32, 32 x 128K / 128 x 1M: cap 168 197.6 us / 4.84 ms, 128 (116 used)
-#                       164.1 / 4.06, 96 161.6 / 3.65, 80 155.1 / 3.60; pipeline stages 3 at 96: 159.6 / 3.61) ...
-FILTER_MAX_REGS_H64 = 128  # ... and of H = 64 (sm_90 SASS: no spills at 128, 47 spill loads at 80; not timed)
+FILTER_MAX_REGS = 96  # one-row filtering leaves of H <= 32 (max_regs): 5 programs per SM, 2 spill loads in the loop
+#                       (H200, H = 32, 32 x 128K / 128 x 1M, one process each: cap 80 123.9 us / 2.62 ms, 96 117.9 / 2.47;
+#                       before the page ids left the loop, 27fde99: 168 197.6 / 4.84, 128 164.1 / 4.06, 80 155.1 / 3.60) ...
+FILTER_MAX_REGS_H64 = 128  # ... and of H = 64 (sm_90 SASS at 27fde99: no spills at 128, 2 spill loads at 112; not timed)
 FILTER_MIN_CHUNK = 256  # filter leaves of at least this many pools (H200, exact -> filter: 1 x 128K, leaves of
 #                         128: 21.3 -> 32.3 us; 2 x 128K (128): 34.5 -> 38.8; 4 x 128K (256): 50.5 -> 45.8;
 #                         32 x 128K (512): 216 -> 165; 128 x 1M: 5.71 -> 4.04 ms; prefill 8192 x 32K: 52 -> 30 ms)
