@@ -213,6 +213,9 @@ def test_launch_options_the_launchers_use():
     caps = {(c["FILTER"], c["ROWS"], c["H"], j.options.get("maxnreg"))
             for j, c in ((j, j.constexprs) for j in jobs if j.kernel == "_paged_topk_kernel")}
     assert caps and all(cap == score.max_regs(f, rows, h) for f, rows, h, cap in caps)
+    # and its pipeline stages, per FILTER, as the launcher passes them
+    stages = {(j.constexprs["FILTER"], j.constexprs["STAGES"]) for j in jobs if j.kernel == "_paged_topk_kernel"}
+    assert stages == {(f, score.pipeline_stages(f)) for f in (False, True)}
     leaves = {(j.constexprs["KB"], j.constexprs["CHUNK"]) for j in jobs if j.kernel == "_chunk_topk_kernel"}
     assert any(c < kb for kb, c in leaves) and any(c >= kb for kb, c in leaves)
     assert min(c for _, c in leaves) == topk.MIN_CHUNK

@@ -353,9 +353,11 @@ def _topk_specs(m):
 
 def _filter_derive(m, c):
     """NT, FILTER (only where ``score.filters`` can choose it: several leaves that keep all
-    their keys) and the register cap ``score.max_regs`` gives that launch."""
+    their keys), and the pipeline stages and register cap (``score.pipeline_stages``,
+    ``score.max_regs``) that launch gets."""
     filt = c["_filter"] and not c["FINAL"] and c["_chunk"] <= c["KB"]
-    return dict(NT=c["_chunk"] // m.BLOCK_POOLS, FILTER=filt, _opt_maxnreg=m.max_regs(filt, c["ROWS"], c["H"]))
+    return dict(NT=c["_chunk"] // m.BLOCK_POOLS, FILTER=filt, STAGES=m.pipeline_stages(filt),
+                _opt_maxnreg=m.max_regs(filt, c["ROWS"], c["H"]))
 
 
 def _score_specs(m):

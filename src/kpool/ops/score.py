@@ -54,7 +54,9 @@ from .logits import (MIN_FILTER_ERROR, approx_block_logits, bound_keys, check_pa
 BLOCK_POOLS = 64  # pools per scoring tile: the MMA's M (one wgmma warpgroup on Hopper)
 NUM_WARPS = 4
 MAX_REGS = 168  # CUDA register cap: 3 programs per SM instead of 2 (H200: 32 x 128K -10%, 128 x 1M -11%)
-PIPELINE_STAGES = tl.constexpr(2)  # tiles in flight in the leaf loop (tl.range's software pipelining)
+PIPELINE_STAGES = 2  # tiles in flight in the exact leaf loop (tl.range's software pipelining) ...
+FILTER_PIPELINE_STAGES = 3  # ... and in the filtering one (pipeline_stages; H200, 27fde99 + cap 96: 32 x 128K 117.3 ->
+#                             110.6 us, 128 x 1M 2.46 -> 2.39 ms at 3; 3 for the exact leaves: 1 x 128K 19.4 -> 19.9 us)
 SCORER_ENV = "KPOOL_SCORER"
 # The filter's error budget: the fp16 MMA's dot of one head is taken to be within
 # FILTER_ERROR * ||q_h||_1 * FP8_MAX of the exact one (the H200 measured 2^-20 of sum |q_d k_d|,
@@ -80,7 +82,7 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
                        PAGE: tl.constexpr, BN: tl.constexpr, NT: tl.constexpr, KB: tl.constexpr, H: tl.constexpr,
                        ROWS: tl.constexpr, PRESHUFFLE: tl.constexpr, FINAL: tl.constexpr, FNUZ: tl.constexpr,
                        NATIVE_FP8: tl.constexpr, FILTER: tl.constexpr, FP8_MAX: tl.constexpr, ERROR: tl.constexpr,
-                       SHAKE: tl.constexpr, PDL: tl.constexpr):
+                       SHAKE: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     _pdl.grid_dependency_sync(PDL)
     # Program (group, chunk): rows b * next_n + t for t in [t0, t0 + ROWS) of one request b
     # (same page table), pools [chunk * NT * BN, (chunk + 1) * NT * BN): each key tile is
@@ -114,9 +116,11 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
         j = j0 + tl.arange(0, BN)
         n_leaf = tl.minimum(n_max, (chunk + 1) * NT * BN)  # the leaf's last pool any row sees + 1
         pages = tile_pages(pt_row, pt_sp, j0, n_leaf, NT, BN, PAGE)
-        for i in tl.range(NT, num_stages=PIPELINE_STAGES):
+        for i in tl.range(NT, num_stages=STAGES):
             # Triton's pipeliner loads later tiles' entries (cp.async into shared memory) while
-            # this one is scored; the key codes reach the MMA operand's layout as bytes
+            # this one is scored (with STAGES = 2, triton 3.6 issues the next tile at the end of
+            # an iteration and waits for it at the top of the next: sm_90 SASS); the key codes
+            # reach the MMA operand's layout as bytes
             codes, kscale, ok = paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pages, i, pt_row, pt_sp, j0,
                                            n_leaf, PAGE, BN, PRESHUFFLE)
             hi = tl.full((BN, ROWS), topk.NO_KEY, tl.int64)  # tiles no row sees: not seen
@@ -220,6 +224,11 @@ def query_rows(next_n: int) -> int:
     return min(MAX_ROWS, triton.next_power_of_2(next_n))
 
 
+def pipeline_stages(filtered: bool = False) -> int:
+    """``STAGES`` of a leaf launch: ``FILTER_PIPELINE_STAGES`` for filtering leaves, else ``PIPELINE_STAGES``."""
+    return FILTER_PIPELINE_STAGES if filtered else PIPELINE_STAGES
+
+
 def max_regs(filtered: bool = False, rows: int = 1, heads: int = 32) -> int:
     """CUDA register cap of a scoring launch: ``FILTER_MAX_REGS`` (``FILTER_MAX_REGS_H64`` at
     64 heads) for one-row filtering leaves, else ``MAX_REGS``."""
@@ -278,6 +287,7 @@ def paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, *
             PAGE=kv_cache.shape[1], BN=BLOCK_POOLS, NT=chunk // BLOCK_POOLS, KB=kb, H=heads, ROWS=rows_per_prog,
             PRESHUFFLE=layout == "preshuffle", FINAL=final, **decode_args(fp8_dtype, device),
             FILTER=filtered, FP8_MAX=fp8_max(fp8_dtype), ERROR=FILTER_ERROR, SHAKE=FILTER_SHAKE,
+            STAGES=pipeline_stages(filtered),
             **launch_options(device, filtered, rows_per_prog, heads), **pdl_launch(device),
         )
         return filtered
