@@ -54,7 +54,8 @@ from .logits import (MIN_FILTER_ERROR, approx_block_logits, bound_keys, check_pa
 BLOCK_POOLS = 64  # pools per scoring tile: the MMA's M (one wgmma warpgroup on Hopper)
 NUM_WARPS = 4
 MAX_REGS = 168  # CUDA register cap: 3 programs per SM instead of 2 (H200: 32 x 128K -10%, 128 x 1M -11%)
-PIPELINE_STAGES = tl.constexpr(2)  # tiles in flight in the leaf loop (tl.range's software pipelining)
+PIPELINE_STAGES = tl.constexpr(3)  # tiles in flight in the leaf loop (tl.range's software pipelining): with 2, triton 3.6
+#   issues the next tile at the end of the iteration and waits for it at the top of the next one (no overlap)
 SCORER_ENV = "KPOOL_SCORER"
 # The filter's error budget: the fp16 MMA's dot of one head is taken to be within
 # FILTER_ERROR * ||q_h||_1 * FP8_MAX of the exact one (the H200 measured 2^-20 of sum |q_d k_d|,
