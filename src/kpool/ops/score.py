@@ -94,7 +94,8 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
     rr = tl.arange(0, ROWS)
     live = t0 + rr < next_n
     rows = b * next_n + t0 + rr  # [ROWS]
-    topk.clear_counts(count_ptr, tl.where(live, rows, b * next_n), chunk, FINAL)  # rows past next_n: the first
+    safe_rows = tl.where(live, rows, b * next_n)  # rows past next_n: the first (zeroed again; upper keys masked)
+    topk.clear_counts(count_ptr, safe_rows, chunk, FINAL)
     n_vis = tl.minimum(tl.maximum(tl.load(lens_ptr + rows * lens_stride, mask=live, other=0).to(tl.int64), 0),
                        vis_limit)  # [ROWS], topk.visible_pools of each row
     n_max = tl.max(n_vis)
@@ -110,7 +111,7 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
         if FILTER:  # keys = lower bounds; the upper bounds of the exact keys go to the lists (module docstring)
             q16, q_l1 = query_values(q)
             err = logit_error_scale(w, q_l1, H, ROWS, FP8_MAX, ERROR)  # [ROWS]
-            lists = topk.leaf_list(cand_ptr, tl.where(live, rows, b * next_n) * n_chunks + chunk, NT * BN, KB)
+            lists = topk.leaf_list(cand_ptr, safe_rows * n_chunks + chunk, NT * BN, KB)
         pt_row = pt_ptr + b * pt_sb
         j0 = chunk * NT * BN  # first pool of the tile
         j = j0 + tl.arange(0, BN)
