@@ -101,11 +101,29 @@ def _exact_dot(k, q, FNUZ: tl.constexpr):
 
 
 @triton.jit
+def mma_dim_order(x, AXIS: tl.constexpr):
+    """The 64 dims of a 2-D ``x`` (along ``AXIS``) reordered for the fp16 MMA: dim ``16c + 2m + e``
+    (``c < 4, m < 8, e < 2``) moves to ``8m + 2c + e``. The operand layout of an fp16 MMA
+    gives a thread dims ``8m + 2c + {0, 1}`` of its rows (``c`` = lane % 4) for every ``m``,
+    i.e. 16 contiguous codes of the loaded tile in this order (one 128-bit shared-memory
+    load per row instead of eight 16-bit ones; sm_90 SASS). Both operands of a dot get the
+    same order, so only the MMA's summation order changes (exact for ``_exact_dot``, within
+    the filter's error bound for ``approx_block_logits``)."""
+    if AXIS == 0:
+        n: tl.constexpr = x.shape[1]
+        return tl.reshape(tl.permute(tl.reshape(x, (4, 8, 2, n)), (1, 0, 2, 3)), (64, n))
+    else:
+        m: tl.constexpr = x.shape[0]
+        return tl.reshape(tl.permute(tl.reshape(x, (m, 4, 8, 2)), (0, 2, 1, 3)), (m, 64))
+
+
+@triton.jit
 def fp8_split(codes_a, codes_b, lut_ptr, AXIS: tl.constexpr, FNUZ: tl.constexpr, NATIVE_FP8: tl.constexpr):
     """Codes of dims 0-63 and 64-127 (uint8, same shape, the dims along ``AXIS``) -> the
-    halves ``(a_hi, a_lo, b_hi, b_lo)`` of ``_exact_dot`` and a NaN flag reduced over ``AXIS``."""
-    a_hi, a_lo, a_nan = _jit_fp8.fp8_halves(codes_a, lut_ptr, FNUZ, NATIVE_FP8)
-    b_hi, b_lo, b_nan = _jit_fp8.fp8_halves(codes_b, lut_ptr, FNUZ, NATIVE_FP8)
+    halves ``(a_hi, a_lo, b_hi, b_lo)`` of ``_exact_dot`` in ``mma_dim_order`` and a NaN flag
+    reduced over ``AXIS``."""
+    a_hi, a_lo, a_nan = _jit_fp8.fp8_halves(mma_dim_order(codes_a, AXIS), lut_ptr, FNUZ, NATIVE_FP8)
+    b_hi, b_lo, b_nan = _jit_fp8.fp8_halves(mma_dim_order(codes_b, AXIS), lut_ptr, FNUZ, NATIVE_FP8)
     nan = tl.max((a_nan | b_nan).to(tl.int32), axis=AXIS) > 0
     return (a_hi, a_lo, b_hi, b_lo), nan
 
@@ -200,8 +218,8 @@ def approx_block_logits(q16, w, codes, kscale, lut_ptr, BN: tl.constexpr, H: tl.
     product is exact, only the MMA's fp32 accumulation and the epilogue round. ``[BN, R]``.
     A NaN code (key or query) makes its dots NaN through the MMA itself (IEEE propagation),
     so no NaN flags are reduced here; ``bound_keys`` turns a NaN logit into a survivor."""
-    ka, _ = _jit_fp8.fp8_values(codes[0], lut_ptr, FNUZ, NATIVE_FP8)
-    kb, _ = _jit_fp8.fp8_values(codes[1], lut_ptr, FNUZ, NATIVE_FP8)
+    ka, _ = _jit_fp8.fp8_values(mma_dim_order(codes[0], 1), lut_ptr, FNUZ, NATIVE_FP8)
+    kb, _ = _jit_fp8.fp8_values(mma_dim_order(codes[1], 1), lut_ptr, FNUZ, NATIVE_FP8)
     dot = tl.dot(ka, q16[0], tl.dot(kb, q16[1]))  # [BN, R * H]
     return _weighted_heads(dot, False, kscale, w, BN, H, R)
 
