@@ -18,6 +18,7 @@ from kpool._backend import device_target, has_native_fp8
 from kpool.layout import ENTRY_BYTES, write_entries
 from kpool.ops import _jit_fp8
 from kpool.ops.logits import RAGGED_TILE, RAGGED_TILES, paged_pool_logits, ragged_pool_logits
+from kpool.ops.score import paged_pool_topk
 from _util import random_bytes_like
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
@@ -275,6 +276,27 @@ def test_paged_bad_page_scores_nan_and_is_rejected(backend, device, monkeypatch)
     assert not bool(torch.isnan(out[0, :16]).any())
     assert bool(torch.isnan(out[0, 16:40]).all()), "visible pools on pages -1 / 9 must score NaN"
     assert bool(torch.isneginf(out[0, 40:]).all())
+
+
+@pytest.mark.parametrize("bad", [-1, 3, 2**32 + 1, -(2**32)])
+def test_paged_tile_bad_int64_page_scores_nan(backend, device, monkeypatch, bad):
+    """Tiles that lie in one page (PAGE % BLOCK_POOLS == 0) take their page id from the ids
+    loaded before the loop: an int64 id outside [0, num_pages) must score NaN, also one whose
+    low 32 bits name a valid page (2^32 + 1 -> 1, -2^32 -> 0), in the logits op and in the
+    fused scorer (whose NaN pools rank last)."""
+    fp8_dtype = torch.float8_e4m3fn
+    page, heads = 64, 16
+    kv, _, _ = make_cache(3, page, fp8_dtype, seed=44, device=device)
+    page_table = torch.tensor([[2, bad, 0]], dtype=torch.int64, device=device)
+    pool_lens = torch.tensor([[150]], dtype=torch.int32, device=device)
+    q = rand_codes((1, 1, heads, 128), fp8_dtype, seed=45).to(device)
+    w = weights((1, 1, heads), seed=46).to(device)
+    monkeypatch.setenv("KPOOL_CHECK", "0")
+    out = paged_pool_logits(q, kv, w, pool_lens, page_table, layout="plain", fp8_dtype=fp8_dtype).cpu()
+    assert not bool(torch.isnan(out[0, :64]).any()) and not bool(torch.isnan(out[0, 128:150]).any())
+    assert bool(torch.isnan(out[0, 64:128]).all()), f"pools on page id {bad} must score NaN"
+    picked = paged_pool_topk(q, kv, w, pool_lens, page_table, 80, layout="plain", fp8_dtype=fp8_dtype).cpu()
+    assert not bool(((picked >= 64) & (picked < 128)).any()), "NaN pools must rank below every other pool"
 
 
 def test_relu_per_head_before_weighting(backend, device):

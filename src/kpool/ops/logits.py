@@ -248,18 +248,21 @@ def bound_keys(a, e, j, vis):
 
 
 @triton.jit
-def tile_pages(pt_row_ptr, pt_sp, j0, n_vis, NT: tl.constexpr, BN: tl.constexpr, PAGE: tl.constexpr):
-    """Page ids ``[NT]`` (int64) of the ``NT`` tiles of ``BN`` pools from pool ``j0`` (a
-    multiple of ``BN``) in one row's page table ``pt_row_ptr`` (stride ``pt_sp``), for
-    ``paged_tile``. Only ``PAGE % BN == 0`` (a tile lies in one page) loads them; a tile
-    past the row's ``n_vis`` visible pools reads column 0 (a row with visible pools has one).
-    Loading them before a tile loop keeps the loop's loads independent of each other, so
-    Triton's pipeliner can keep the next tile's entries in flight."""
+def tile_pages(pt_row_ptr, pt_sp, j0, n_vis, num_pages, NT: tl.constexpr, BN: tl.constexpr,
+               PAGE: tl.constexpr):
+    """Page ids ``[NT]`` (int32; -1 for an id outside ``[0, num_pages)``) of the ``NT`` tiles
+    of ``BN`` pools from pool ``j0`` (a multiple of ``BN``) in one row's page table
+    ``pt_row_ptr`` (stride ``pt_sp``), for ``paged_tile``. Only ``PAGE % BN == 0`` (a tile
+    lies in one page) loads them; a tile past the row's ``n_vis`` visible pools reads column
+    0 (a row with visible pools has one). Loading them before a tile loop keeps the loop's
+    loads independent of each other, so Triton's pipeliner can keep the next tile's entries
+    in flight (and int32 ids halve the loop's picking of tile ``i``'s id)."""
     t = j0 + tl.arange(0, NT) * BN
     if PAGE % BN == 0:
-        pages = tl.load(pt_row_ptr + tl.where(t < n_vis, t // PAGE, 0) * pt_sp).to(tl.int64)
+        pg = tl.load(pt_row_ptr + tl.where(t < n_vis, t // PAGE, 0) * pt_sp).to(tl.int64)
+        pages = tl.where((pg >= 0) & (pg < num_pages), pg, -1).to(tl.int32)
     else:
-        pages = tl.zeros((NT,), tl.int64)  # unused: paged_tile looks up each pool's page
+        pages = tl.zeros((NT,), tl.int32)  # unused: paged_tile looks up each pool's page
     return pages
 
 
@@ -276,8 +279,8 @@ def paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pages, i, pt_row_ptr,
     load), a scalar page base and int32 in-page offsets; otherwise a page lookup per pool."""
     j = j0 + tl.arange(0, BN)
     if PAGE % BN == 0:
-        pg = tl.sum(tl.where(tl.arange(0, pages.shape[0]) == i, pages, 0))
-        on_page = (pg >= 0) & (pg < num_pages)
+        pg = tl.sum(tl.where(tl.arange(0, pages.shape[0]) == i, pages, 0)).to(tl.int64)
+        on_page = pg >= 0
         ok = j < tl.where(on_page, n_vis, 0)  # a vector compare: the interpreter mis-broadcasts scalar masks
         base = tl.where(on_page, pg, 0) * page_stride  # scalar page byte offset
         state = (j0 % PAGE).to(tl.int32) + tl.arange(0, BN)
@@ -339,7 +342,7 @@ def _paged_logits_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_
     if blk * BN < n_vis:
         q, q_nan = row_query(q_ptr + b * q_sb + t * q_sn, q_sh, lut_ptr, H, FNUZ, NATIVE_FP8)
         pt_row = pt_ptr + b * pt_sb
-        pages = tile_pages(pt_row, pt_sp, blk * BN, n_vis, 1, BN, PAGE)
+        pages = tile_pages(pt_row, pt_sp, blk * BN, n_vis, num_pages, 1, BN, PAGE)
         codes, kscale, ok = paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pages, 0, pt_row, pt_sp,
                                        blk * BN, n_vis, PAGE, BN, PRESHUFFLE)
         w = tl.load(w_ptr + b * w_sb + t * w_sn + tl.arange(0, H) * w_sh)

@@ -116,7 +116,7 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
         j0 = chunk * NT * BN  # first pool of the tile
         j = j0 + tl.arange(0, BN)
         n_leaf = tl.minimum(n_max, (chunk + 1) * NT * BN)  # the leaf's last pool any row sees + 1
-        pages = tile_pages(pt_row, pt_sp, j0, n_leaf, NT, BN, PAGE)
+        pages = tile_pages(pt_row, pt_sp, j0, n_leaf, num_pages, NT, BN, PAGE)
         for i in tl.range(NT, num_stages=STAGES):
             # Triton's pipeliner loads later tiles' entries (cp.async into shared memory) while
             # this one is scored (with STAGES = 2, triton 3.6 issues the next tile at the end of
