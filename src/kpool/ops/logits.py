@@ -235,16 +235,16 @@ def logit_error_scale(w, q_l1, H: tl.constexpr, R: tl.constexpr, FP8_MAX: tl.con
 
 @triton.jit
 def bound_keys(a, e, j, vis):
-    """Lower and upper ranking keys (``topk.pool_keys``) of approximate logits ``a`` with
-    error bound ``e`` (same shape; a budget of at least ``MIN_FILTER_ERROR``): ``a - e`` and
-    ``a + e`` where the pool's heads are far from fp32 overflow in both pipelines; else
-    (NaN, infinities, magnitudes near ``FLT_MAX``) the lowest key (NaN) and the highest
-    finite-score key (+inf), so that such a pool always survives the filter and never raises
-    the bound."""
+    """Lower ranking keys (``topk.pool_keys``) and upper bounds (``topk.upper_codes``, int32)
+    of approximate logits ``a`` with error bound ``e`` (same shape; a budget of at least
+    ``MIN_FILTER_ERROR``): ``a - e`` and ``a + e`` where the pool's heads are far from fp32
+    overflow in both pipelines; else (NaN, infinities, magnitudes near ``FLT_MAX``) the
+    lowest key (NaN) and the highest finite score (+inf), so that such a pool always
+    survives the filter and never raises the bound."""
     fin = tl.abs(a) + e * _SPAN < 1e38  # False for NaN and infinities
     lo = tl.where(fin, a - e, float("nan"))
     hi = tl.where(fin, a + e, float("inf"))
-    return topk.pool_keys(lo, j, vis), topk.pool_keys(hi, j, vis)
+    return topk.pool_keys(lo, j, vis), topk.upper_codes(hi, vis)
 
 
 @triton.jit

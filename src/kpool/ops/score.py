@@ -94,7 +94,7 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
     rr = tl.arange(0, ROWS)
     live = t0 + rr < next_n
     rows = b * next_n + t0 + rr  # [ROWS]
-    safe_rows = tl.where(live, rows, b * next_n)  # rows past next_n: the first (zeroed again; upper keys masked)
+    safe_rows = tl.where(live, rows, b * next_n)  # rows past next_n: the first (zeroed again; upper bounds masked)
     topk.clear_counts(count_ptr, safe_rows, chunk, FINAL)
     n_vis = tl.minimum(tl.maximum(tl.load(lens_ptr + rows * lens_stride, mask=live, other=0).to(tl.int64), 0),
                        vis_limit)  # [ROWS], topk.visible_pools of each row
@@ -124,7 +124,7 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
             # reach the MMA operand's layout as bytes
             codes, kscale, ok = paged_tile(kv_ptr, kv_f32_ptr, page_stride, num_pages, pages, i, pt_row, pt_sp, j0,
                                            n_leaf, PAGE, BN, PRESHUFFLE)
-            hi = tl.full((BN, ROWS), topk.NO_KEY, tl.int64)  # tiles no row sees: not seen
+            hi = tl.full((BN, ROWS), topk.NO_UPPER, tl.int32)  # tiles no row sees: not seen
             if (chunk * NT + i) * BN < n_max:
                 seen = j[:, None] < n_vis[None, :]  # [BN, ROWS]
                 if FILTER:
@@ -141,7 +141,7 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
                     keys = tl.where(tiles[:, None, None] == i, topk.pool_keys(x, j[:, None], seen)[None, :, :],
                                     keys)
             if FILTER:
-                topk.store_upper_keys(lists, i, hi, live, BN)
+                topk.store_upper_bounds(lists, i, hi, live, BN)
             j0 += BN
             j += BN
         for r in tl.static_range(ROWS):

@@ -22,6 +22,8 @@ Kernels:
    of ``HEAD + KW`` keys: when it keeps all its keys and the row's bound rank (below) is at
    most ``HEAD``, its ``HEAD`` best sorted (``tl.topk(keys, HEAD)``, far cheaper than a sort)
    followed by all its keys unsorted; else its ``KW`` best sorted after ``HEAD`` unused slots.
+   A filtering leaf (``ops/score.py``) writes its ``HEAD`` best lower keys, then the upper
+   bounds of all its pools as int32 codes (``store_upper_bounds``: the ids are the positions).
 2. rows with several leaves, without merging the lists (``threshold_select``):
    ``_survivors_kernel`` (programs per (row, group of lists)) computes a lower bound of the
    row's ``select_k``-th best key (``_row_bound``: the ``cdiv(select_k, n_full)``-th key of
@@ -75,6 +77,7 @@ MAX_SURVIVORS = 1 << COUNT_BITS  # ... so a row keeps fewer survivor keys than t
 _COUNT_SHIFT, _DIGIT_SHIFT = tl.constexpr(COUNT_BITS), tl.constexpr(2 * COUNT_BITS)
 _COUNT_MASK = tl.constexpr(MAX_SURVIVORS - 1)
 NO_KEY = tl.constexpr(-9223372036854775807 - 1)  # INT64_MIN: the key of a pool the row does not see
+NO_UPPER = tl.constexpr(-2147483648)  # INT32_MIN: upper_codes' pool the row does not see (upper bounds are never NaN)
 
 
 @triton.jit
@@ -182,7 +185,7 @@ def store_leaf_bounds(lower, cand_ptr, n_vis, select_k, CHUNK: tl.constexpr, KB:
     """A filtering leaf's list head (``FILTER``, a leaf that keeps all its keys): its ``HEAD``
     best *lower* keys sorted; when the row's bound rank is above ``HEAD`` they are not
     written (``_row_bound`` then bounds nothing). The list's other ``CHUNK`` slots hold all
-    its *upper* keys unsorted, stored tile by tile (``store_upper_keys``)."""
+    its *upper* bounds unsorted, stored tile by tile (``store_upper_bounds``)."""
     tl.static_assert((CHUNK <= KB) and (CHUNK >= HEAD), "a filtering leaf keeps all its keys")
     _, rank = _bound_rank(n_vis, CHUNK, select_k)
     if _unsorted_list(rank, CHUNK, CHUNK):
@@ -190,10 +193,31 @@ def store_leaf_bounds(lower, cand_ptr, n_vis, select_k, CHUNK: tl.constexpr, KB:
 
 
 @triton.jit
-def store_upper_keys(lists, i, upper, live, BN: tl.constexpr):
-    """Tile ``i``'s upper keys ``[BN, R]`` into the unsorted part of the leaf lists ``lists``
-    ``[R]`` (``leaf_list`` pointers of R rows; rows not ``live [R]`` untouched)."""
-    tl.store(lists[None, :] + HEAD + i * BN + tl.arange(0, BN)[:, None], upper, mask=live[None, :])
+def upper_codes(x, vis):
+    """A filtering leaf's upper bounds ``x`` (fp32, never NaN: ``logits.bound_scores``) as
+    int32 ``ordered_score``s, ``NO_UPPER`` where not ``vis``: half the bytes of their keys,
+    whose pool ids the list positions give (``_upper_keys``)."""
+    return tl.where(vis, ordered_score(x), NO_UPPER).to(tl.int32)
+
+
+@triton.jit
+def store_upper_bounds(lists, i, upper, live, BN: tl.constexpr):
+    """Tile ``i``'s ``upper_codes`` ``[BN, R]`` into the unsorted part of the leaf lists
+    ``lists`` ``[R]`` (``leaf_list`` pointers of R rows, int64 slots holding two codes each;
+    rows not ``live [R]`` untouched)."""
+    slots = lists.to(tl.pointer_type(tl.int32)) + 2 * HEAD
+    tl.store(slots[None, :] + i * BN + tl.arange(0, BN)[:, None], upper, mask=live[None, :])
+
+
+@triton.jit
+def _upper_keys(lists, lst, mask, CHUNK: tl.constexpr):
+    """The ranking keys ``[L, CHUNK]`` (``pool_keys``; ``NO_KEY`` where not seen or not
+    ``mask [L, 1]``) of the upper bounds that ``store_upper_bounds`` wrote to the lists
+    ``lists [L, 1]`` of leaves ``lst [L, 1]`` (list ``l`` holds pools ``l * CHUNK + c``)."""
+    c = tl.arange(0, CHUNK)[None, :]
+    code = tl.load(lists.to(tl.pointer_type(tl.int32)) + 2 * HEAD + c, mask=mask, other=NO_UPPER)
+    j = lst.to(tl.int64) * CHUNK + c
+    return tl.where(code == NO_UPPER, NO_KEY, code.to(tl.int64) * 4294967296 + (4294967295 - j))
 
 
 @triton.jit
@@ -332,8 +356,11 @@ def _survivors_kernel(cand_ptr, n_lists, lens_ptr, lens_stride, n_cols, surv_ptr
         base = cand_ptr + row * n_lists * (HEAD + KW)
         lo = _row_bound(base, n_vis, select_k, CHUNK, KW, LB, FILTER)
         lst = tl.program_id(1) * LG + tl.arange(0, LG)
-        key = tl.load(base + lst[:, None] * (HEAD + KW) + HEAD + tl.arange(0, KW)[None, :],
-                      mask=(lst < n_lists)[:, None], other=NO_KEY)
+        if FILTER:
+            key = _upper_keys(base + lst[:, None] * (HEAD + KW), lst[:, None], (lst < n_lists)[:, None], KW)
+        else:
+            key = tl.load(base + lst[:, None] * (HEAD + KW) + HEAD + tl.arange(0, KW)[None, :],
+                          mask=(lst < n_lists)[:, None], other=NO_KEY)
         key = tl.reshape(key, (LG * KW,))
         keep = (key >= lo) & (key != NO_KEY)
         at = tl.atomic_add(count_ptr + row, tl.sum(keep.to(tl.int32)))
