@@ -342,7 +342,9 @@ def _topk_specs(m):
         "_survivors_kernel": KernelSpec(
             ptrs=dict(cand_ptr="i64", lens_ptr="i32", surv_ptr="i64", count_ptr="i32"),
             cross=(_survivor_axis(m), axis("LB", (2, 256))),  # LB = next_pow2(leaves per row)
-            cycle=(int_ptr_axis("lens_ptr"), axis("lens_stride", (1, "i32")), flag("FILTER"))),
+            cycle=(int_ptr_axis("lens_ptr"), axis("lens_stride", (1, "i32")), flag("_filter")),
+            # filtering lists only from leaves that keep all their keys (score.filters)
+            derive=lambda c: dict(FILTER=c["_filter"] and c["KW"] == c["CHUNK"])),
         "_threshold_select_kernel": KernelSpec(
             ptrs=dict(surv_ptr="i64", count_ptr="i32", lens_ptr="i32", out_ptr="i32"),
             cross=(_kb_axis(),), cycle=(int_ptr_axis("lens_ptr"), axis("lens_stride", (1, "i32"))),

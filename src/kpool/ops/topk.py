@@ -194,7 +194,7 @@ def store_leaf_bounds(lower, cand_ptr, n_vis, select_k, CHUNK: tl.constexpr, KB:
 
 @triton.jit
 def upper_codes(x, vis):
-    """A filtering leaf's upper bounds ``x`` (fp32, never NaN: ``logits.bound_scores``) as
+    """A filtering leaf's upper bounds ``x`` (fp32, never NaN: ``logits.bound_keys``) as
     int32 ``ordered_score``s, ``NO_UPPER`` where not ``vis``: half the bytes of their keys,
     whose pool ids the list positions give (``_upper_keys``)."""
     return tl.where(vis, ordered_score(x), NO_UPPER).to(tl.int32)
@@ -357,6 +357,7 @@ def _survivors_kernel(cand_ptr, n_lists, lens_ptr, lens_stride, n_cols, surv_ptr
         lo = _row_bound(base, n_vis, select_k, CHUNK, KW, LB, FILTER)
         lst = tl.program_id(1) * LG + tl.arange(0, LG)
         if FILTER:
+            tl.static_assert(KW == CHUNK, "a filtering leaf keeps all its keys")
             key = _upper_keys(base + lst[:, None] * (HEAD + KW), lst[:, None], (lst < n_lists)[:, None], KW)
         else:
             key = tl.load(base + lst[:, None] * (HEAD + KW) + HEAD + tl.arange(0, KW)[None, :],
