@@ -84,7 +84,8 @@ import traceback
 
 __all__ = ["TARGETS", "KernelSpec", "AotJob", "AotResult", "AotSpecError", "SPECS", "EXCLUDED", "native_fp8_param",
            "kernel_module_names", "discover_kernels",
-           "registered_specs", "check_registry", "build_jobs", "compile_job", "compile_matrix", "format_results",
+           "registered_specs", "check_registry", "build_jobs", "compile_source", "compile_job", "compile_matrix",
+           "format_results",
            "main"]
 
 # name -> (backend, arch, warp size, shared memory per block in bytes)
@@ -697,34 +698,40 @@ def _jobs_digest(jobs):
 # Compiling (worker side: TRITON_INTERPRET off)
 # ----------------------------------------------------------------------------------------------
 
-def compile_job(job: AotJob, fn=None) -> AotResult:
-    """Compile one job in this process (which must not be interpreting)."""
+def compile_source(job: AotJob, fn=None):
+    """``triton.compile`` of one job in this process (which must not be interpreting): the
+    ``CompiledKernel`` (``.asm`` by stage, ``.metadata``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
+    if fn is None:
+        fn = getattr(importlib.import_module(job.module), job.kernel)
+    if not isinstance(fn, JITFunction):
+        raise RuntimeError(f"{job.kernel} is a {type(fn).__name__}: compile with TRITON_INTERPRET unset")
+    backend, arch, warp, _ = TARGETS[job.target]
+    attrs = {}
+    if job.hints == "aligned":
+        for i, p in enumerate(fn.arg_names):
+            ty = job.signature[p]
+            if ty == "constexpr" or ty == "i1":
+                continue
+            attr = [["tt.divisibility", 16]]
+            if backend == "hip" and ty.startswith("*"):
+                attr.append(["tt.pointer_range", 32])
+            attrs[(i,)] = attr
+    src = ASTSource(fn=fn, signature=dict(job.signature), constexprs=dict(job.constexprs), attrs=attrs)
+    return triton.compile(src, target=GPUTarget(backend, arch, warp), options=dict(job.options))
+
+
+def compile_job(job: AotJob, fn=None) -> AotResult:
+    """Compile one job in this process (which must not be interpreting)."""
     t0, c0 = time.perf_counter(), _cpu_time()
     res = AotResult(job.kernel, job.target, job.label, ok=False)
     try:
-        if fn is None:
-            fn = getattr(importlib.import_module(job.module), job.kernel)
-        if not isinstance(fn, JITFunction):
-            raise RuntimeError(f"{job.kernel} is a {type(fn).__name__}: compile with TRITON_INTERPRET unset")
-        backend, arch, warp, smem = TARGETS[job.target]
-        names = fn.arg_names
-        attrs = {}
-        if job.hints == "aligned":
-            for i, p in enumerate(names):
-                ty = job.signature[p]
-                if ty == "constexpr" or ty == "i1":
-                    continue
-                attr = [["tt.divisibility", 16]]
-                if backend == "hip" and ty.startswith("*"):
-                    attr.append(["tt.pointer_range", 32])
-                attrs[(i,)] = attr
-        src = ASTSource(fn=fn, signature=dict(job.signature), constexprs=dict(job.constexprs), attrs=attrs)
-        compiled = triton.compile(src, target=GPUTarget(backend, arch, warp), options=dict(job.options))
+        backend, smem = TARGETS[job.target][0], TARGETS[job.target][3]
+        compiled = compile_source(job, fn)
         res.stages = [k for k in compiled.asm if k != "source"]
         res.native_fp8 = bool(_FP8_IR.search(compiled.asm.get("ttir", "")))
         res.shared = int(getattr(compiled.metadata, "shared", 0) or 0)

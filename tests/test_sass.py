@@ -1,0 +1,64 @@
+"""``python -m kpool.sass``: one kernel specialisation's SASS summary, compiled on the CPU.
+
+The compile runs in a subprocess with TRITON_INTERPRET off (this process may be
+interpreting). The filtering leaf's check is the property ``logits.mma_dim_order`` exists
+for: its loop reads the key codes from shared memory 16 bytes at a time, never 2.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kpool import sass
+
+SNIPPET = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   LDS.128 R4, [R2] ;
+        /*0020*/                   HGMMA.64x32x16.F32 R24, R40, gdesc[UR36], RZ ;
+        /*0030*/              @P0  BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0040*/              @P5  BRA 0x10 ;
+        /*0050*/                   STL [R1], R4 ;
+        /*0060*/                   BRA 0x60 ;
+        /*0070*/                   EXIT ;
+"""
+
+
+def test_loops_of_a_listing():
+    """A backward branch makes a loop (its body from the target to the branch, predicates
+    dropped from the opcodes); a branch to itself (the trailing trap) does not."""
+    (lp,) = sass.loops(SNIPPET)
+    assert (lp.start, lp.end, lp.instructions) == (0x10, 0x40, 4)
+    assert lp.memory == {"LDS.128": 1, "HGMMA.64x32x16.F32": 1, "BAR.SYNC.DEFER_BLOCKING": 1}
+    assert lp.opcodes["BRA"] == 1 and "@P5" not in lp.opcodes
+
+
+def test_assignments():
+    assert sass.parse_assignments("FILTER=True,H=32,ERROR=0.5,x=abc") == dict(FILTER=True, H=32, ERROR=0.5,
+                                                                               x="abc")
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        sass.parse_assignments("H32")
+
+
+def run_tool(*args):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, "-m", "kpool.sass", *args], capture_output=True, text=True, env=env,
+                          timeout=600)
+
+
+def test_filtering_leaf_reads_codes_128_bits_at_a_time():
+    out = run_tool("_paged_topk_kernel", "--match", "FILTER=True,ROWS=1,FNUZ=False",
+                   "--set", "H=32,NT=8,KB=512,PAGE=64,PRESHUFFLE=False,FINAL=False,STAGES=3", "--maxnreg", "96")
+    assert out.returncode == 0, out.stderr[-2000:]
+    loops = [line for line in out.stdout.splitlines() if line.startswith("    memory / sync:") and "HGMMA" in line]
+    assert loops, out.stdout
+    assert "LDS.128" in loops[0] and "LDS.U16" not in loops[0] and "LDS.U8" not in loops[0], out.stdout
+    assert "registers " in out.stdout and "cp.async.wait_group" in out.stdout
+
+
+def test_bad_arguments_are_named():
+    out = run_tool("_paged_topk_kernel", "--match", "FILTER=True", "--set", "NOPE=1")
+    assert out.returncode != 0 and "NOPE" in out.stderr
+    out = run_tool("_paged_topk_kernel", "--target", "gfx942")
+    assert out.returncode != 0 and "NVIDIA" in out.stderr
