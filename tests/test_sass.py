@@ -60,5 +60,6 @@ def test_filtering_leaf_reads_codes_128_bits_at_a_time():
 def test_bad_arguments_are_named():
     out = run_tool("_paged_topk_kernel", "--match", "FILTER=True", "--set", "NOPE=1")
     assert out.returncode != 0 and "NOPE" in out.stderr
-    out = run_tool("_paged_topk_kernel", "--target", "gfx942")
-    assert out.returncode != 0 and "NVIDIA" in out.stderr
+    for target in ("gfx942", "sm_75"):
+        out = run_tool("_paged_topk_kernel", "--target", target)
+        assert out.returncode != 0 and "NVIDIA" in out.stderr and target in out.stderr

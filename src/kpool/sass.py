@@ -76,8 +76,9 @@ def pick_job(kernel: str, target: str = "sm_90", tier: str = "full", match: dict
              overrides: dict | None = None, maxnreg: int | None = None) -> aot.AotJob:
     """The first job of ``kpool.aot`` for ``kernel`` on ``target`` whose constexprs equal
     ``match``, with ``overrides`` applied to its constexprs and ``maxnreg`` to its options."""
-    if aot.TARGETS[target][0] != "cuda":
-        raise ValueError(f"target must be an NVIDIA one (SASS), got {target!r}")
+    if aot.TARGETS.get(target, ("",))[0] != "cuda":
+        nvidia = [t for t, v in aot.TARGETS.items() if v[0] == "cuda"]
+        raise ValueError(f"target must be an NVIDIA one (SASS): {nvidia}, got {target!r}")
     jobs = [j for j in aot.build_jobs([target], tier, [kernel])
             if all(j.constexprs.get(k) == v for k, v in (match or {}).items())]
     if not jobs:
