@@ -730,7 +730,7 @@ def compile_job(job: AotJob, fn=None) -> AotResult:
     t0, c0 = time.perf_counter(), _cpu_time()
     res = AotResult(job.kernel, job.target, job.label, ok=False)
     try:
-        backend, smem = TARGETS[job.target][0], TARGETS[job.target][3]
+        backend, _, _, smem = TARGETS[job.target]
         compiled = compile_source(job, fn)
         res.stages = [k for k in compiled.asm if k != "source"]
         res.native_fp8 = bool(_FP8_IR.search(compiled.asm.get("ttir", "")))

@@ -72,15 +72,21 @@ def parse_assignments(text: str | None) -> dict:
     return out
 
 
-def pick_job(kernel: str, target: str = "sm_90", tier: str = "full", match: dict | None = None,
-             overrides: dict | None = None, maxnreg: int | None = None) -> aot.AotJob:
-    """The first job of ``kpool.aot`` for ``kernel`` on ``target`` whose constexprs equal
-    ``match``, with ``overrides`` applied to its constexprs and ``maxnreg`` to its options."""
+def matching_jobs(kernel: str, target: str = "sm_90", tier: str = "full", match: dict | None = None) -> list:
+    """The jobs of ``kpool.aot`` for ``kernel`` on the NVIDIA ``target`` whose constexprs
+    equal ``match``."""
     if aot.TARGETS.get(target, ("",))[0] != "cuda":
         nvidia = [t for t, v in aot.TARGETS.items() if v[0] == "cuda"]
         raise ValueError(f"target must be an NVIDIA one (SASS): {nvidia}, got {target!r}")
-    jobs = [j for j in aot.build_jobs([target], tier, [kernel])
+    return [j for j in aot.build_jobs([target], tier, [kernel])
             if all(j.constexprs.get(k) == v for k, v in (match or {}).items())]
+
+
+def pick_job(kernel: str, target: str = "sm_90", tier: str = "full", match: dict | None = None,
+             overrides: dict | None = None, maxnreg: int | None = None) -> aot.AotJob:
+    """The first of ``matching_jobs``, with ``overrides`` applied to its constexprs and
+    ``maxnreg`` to its options."""
+    jobs = matching_jobs(kernel, target, tier, match)
     if not jobs:
         raise ValueError(f"no {tier} job of {kernel} on {target} matches {match}")
     job = jobs[0]
@@ -175,9 +181,8 @@ def main(argv=None) -> int:
     try:
         match = parse_assignments(args.match)
         if args.list:
-            for j in aot.build_jobs([args.target], args.tier, [args.kernel]):
-                if all(j.constexprs.get(k) == v for k, v in match.items()):
-                    print(j.label)
+            for j in matching_jobs(args.kernel, args.target, args.tier, match):
+                print(j.label)
             return 0
         job = pick_job(args.kernel, args.target, args.tier, match, parse_assignments(args.overrides), args.maxnreg)
     except ValueError as e:

@@ -90,11 +90,17 @@ def ordered_score(x):
 
 
 @triton.jit
+def _rank_key(ordered, j):
+    """The ranking key ``ordered * 2^32 + (2^32 - 1 - j)`` (int64) of an ``ordered_score``
+    (int32 or int64) of pool ``j``; ``key_ids`` inverts it."""
+    return ordered.to(tl.int64) * 4294967296 + (4294967295 - j.to(tl.int64))
+
+
+@triton.jit
 def pool_keys(x, j, vis):
     """Ranking keys ``ordered(x) * 2^32 + (2^32 - 1 - j)`` of scores ``x`` of pools ``j``
     (int64, same shape); ``INT64_MIN`` where not ``vis``."""
-    key = ordered_score(x) * 4294967296 + (4294967295 - j.to(tl.int64))
-    return tl.where(vis, key, NO_KEY)
+    return tl.where(vis, _rank_key(ordered_score(x), j), NO_KEY)
 
 
 @triton.jit
@@ -216,8 +222,7 @@ def _upper_keys(lists, lst, mask, CHUNK: tl.constexpr):
     ``lists [L, 1]`` of leaves ``lst [L, 1]`` (list ``l`` holds pools ``l * CHUNK + c``)."""
     c = tl.arange(0, CHUNK)[None, :]
     code = tl.load(lists.to(tl.pointer_type(tl.int32)) + 2 * HEAD + c, mask=mask, other=NO_UPPER)
-    j = lst.to(tl.int64) * CHUNK + c
-    return tl.where(code == NO_UPPER, NO_KEY, code.to(tl.int64) * 4294967296 + (4294967295 - j))
+    return tl.where(code == NO_UPPER, NO_KEY, _rank_key(code, lst.to(tl.int64) * CHUNK + c))
 
 
 @triton.jit
