@@ -215,6 +215,45 @@ def test_filter_bounds_hold_under_the_whole_error_budget(device, monkeypatch, fi
     assert used == [True, True]
 
 
+def test_filter_survivors_reach_the_union_of_the_leaf_heads(device, monkeypatch, filter_choices):
+    """A filtered row's survivors are exactly its pools whose upper bound (the leaves' int32
+    codes, ids from the list positions) reaches the ``select_k``-th best of the ``HEAD`` best
+    lower keys of all its wholly visible leaves (``_union_bound_kernel``); a row whose bound
+    rank exceeds ``HEAD`` keeps every visible pool."""
+    monkeypatch.setenv("KPOOL_BACKEND", "triton")
+    monkeypatch.setenv(score.SCORER_ENV, "filter")
+    seen = []
+    real = topk.survivors
+
+    def spy(cand, count, chunk, lens, n_cols, select_k, filtered=False):
+        surv = real(cand, count, chunk, lens, n_cols, select_k, filtered)
+        seen.append((cand.clone().cpu(), count.clone().cpu(), chunk, lens.cpu(), n_cols, select_k, filtered))
+        return surv
+
+    monkeypatch.setattr(topk, "survivors", spy)
+    run_case(device, heads=16, fp8_dtype=FP8[0], seed=23, bad_page=True, nan_codes=True, **FILTER_CASE)
+    cand, count, chunk, lens, n_cols, select_k, filtered = seen[0]  # the fused scorer's (then the unfused check's)
+    assert filtered and filter_choices == [True]
+    head, no_upper, no_key = (int(getattr(c, "value", c)) for c in (topk.HEAD, topk.NO_UPPER, topk.NO_KEY))
+    codes = cand.view(torch.int32)[..., 2 * head: 2 * head + chunk].to(torch.int64)  # [rows, lists, chunk]
+    ids = torch.arange(codes.shape[1] * chunk).view(codes.shape[1], chunk)
+    upper = torch.where(codes == no_upper, no_key, codes * 2**32 + (2**32 - 1 - ids))
+    checked = 0
+    for r, vis in enumerate(lens.clamp(0, n_cols).tolist()):
+        if vis <= select_k:
+            continue
+        full = vis // chunk
+        rank = -(-select_k // max(full, 1))
+        keys = upper[r].flatten()[:vis]
+        if rank <= head and full * head >= select_k:
+            bound = cand[r, :full, :head].flatten().topk(select_k).values[-1]
+            checked += 1
+        else:
+            bound = no_key + 1
+        assert int(count[r]) == int((keys >= bound).sum()), f"row {r}"
+    assert checked == 3  # rows of 18, 17 and 11 full leaves (rank 8, 8, 12)
+
+
 def test_scorer_switch(device, monkeypatch, filter_choices):
     """``$KPOOL_SCORER``: filter by default (and when set so), exact on request, else an error."""
     monkeypatch.setenv("KPOOL_BACKEND", "triton")

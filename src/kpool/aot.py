@@ -341,11 +341,16 @@ def _topk_specs(m):
             cross=(_leaf_axis(), flag("FINAL")),
             cycle=(int_ptr_axis("lens_ptr"), axis("lens_stride", (1, "i32")))),
         "_survivors_kernel": KernelSpec(
-            ptrs=dict(cand_ptr="i64", lens_ptr="i32", surv_ptr="i64", count_ptr="i32"),
+            ptrs=dict(cand_ptr="i64", lens_ptr="i32", surv_ptr="i64", count_ptr="i32", bound_ptr="i64"),
             cross=(_survivor_axis(m), axis("LB", (2, 256))),  # LB = next_pow2(leaves per row)
             cycle=(int_ptr_axis("lens_ptr"), axis("lens_stride", (1, "i32")), flag("_filter")),
             # filtering lists only from leaves that keep all their keys (score.filters)
             derive=lambda c: dict(FILTER=c["_filter"] and c["KW"] == c["CHUNK"])),
+        "_union_bound_kernel": KernelSpec(
+            ptrs=dict(cand_ptr="i64", lens_ptr="i32", bound_ptr="i64"),
+            cross=(axis("CHUNK", (256, 512)), axis("LB", (2, 512))),
+            cycle=(int_ptr_axis("lens_ptr"), axis("lens_stride", (1, "i32"))),
+            fixed=dict(BLOCK=m.SELECT_BLOCK, BITS=m.RADIX_BITS), options=dict(num_warps=m.SELECT_WARPS)),
         "_threshold_select_kernel": KernelSpec(
             ptrs=dict(surv_ptr="i64", count_ptr="i32", lens_ptr="i32", out_ptr="i32"),
             cross=(_kb_axis(),), cycle=(int_ptr_axis("lens_ptr"), axis("lens_stride", (1, "i32"))),

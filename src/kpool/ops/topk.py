@@ -297,13 +297,25 @@ def _pick_digit(hist, need, d):
 
 
 @triton.jit
-def _radix_threshold(base, cnt, lo, top, select_k, BLOCK: tl.constexpr, BITS: tl.constexpr):
-    """The ``select_k``-th largest of the ``cnt >= select_k`` unique keys ``base[0:cnt]``, all
-    in ``[lo, top]``, by MSB radix passes over ``u = uint64(key - lo)``; returns it as
-    ``uint64`` offset from ``lo``. The first digit is the range's top ``BITS`` bits, each later
-    one the next ``BITS`` (the last one fewer). A pass histograms the current bucket's digit,
-    keeps the digit where the count from the top reaches ``need`` and stops once that bucket
-    holds exactly the keys still needed (at the latest on bit 0: keys are unique)."""
+def _key_at(base, i, GROUP: tl.constexpr, GSTRIDE):
+    """Pointers of keys ``i`` stored in groups of ``GROUP`` contiguous keys ``GSTRIDE`` apart
+    (``GROUP = 1, GSTRIDE = 1``: contiguous)."""
+    if GROUP == 1:
+        return base + i * GSTRIDE
+    else:
+        return base + (i // GROUP) * GSTRIDE + i % GROUP
+
+
+@triton.jit
+def _radix_threshold(base, cnt, lo, top, select_k, BLOCK: tl.constexpr, BITS: tl.constexpr,
+                     GROUP: tl.constexpr = 1, GSTRIDE=1):
+    """The ``select_k``-th largest of the ``cnt >= select_k`` unique keys ``base[0:cnt]``
+    (``_key_at``), all in ``[lo, top]``, by MSB radix passes over ``u = uint64(key - lo)``;
+    returns it as ``uint64`` offset from ``lo``. The first digit is the range's top ``BITS``
+    bits, each later one the next ``BITS`` (the last one fewer). A pass histograms the current
+    bucket's digit, keeps the digit where the count from the top reaches ``need`` and stops
+    once that bucket holds exactly the keys still needed (at the latest on bit 0: keys are
+    unique)."""
     span = top.to(tl.uint64, bitcast=True) - lo.to(tl.uint64, bitcast=True)  # current bucket: [bucket, bucket + span]
     s = _first_shift(span, BITS)
     bucket = tl.zeros((), tl.uint64)  # lowest offset of the current bucket
@@ -314,7 +326,8 @@ def _radix_threshold(base, cnt, lo, top, select_k, BLOCK: tl.constexpr, BITS: tl
         hist = tl.zeros((1 << BITS,), tl.int32)
         for start in range(0, cnt, BLOCK):
             i = start + tl.arange(0, BLOCK)
-            u = tl.load(base + i, mask=i < cnt, other=0).to(tl.uint64, bitcast=True) - lo.to(tl.uint64, bitcast=True)
+            u = (tl.load(_key_at(base, i, GROUP, GSTRIDE), mask=i < cnt, other=0).to(tl.uint64, bitcast=True)
+                 - lo.to(tl.uint64, bitcast=True))
             rel = u - bucket
             hist += tl.histogram(((rel >> s.to(tl.uint64)) & ((1 << BITS) - 1)).to(tl.int32), 1 << BITS,
                                  mask=(i < cnt) & (u >= bucket) & (rel <= span))
@@ -347,19 +360,22 @@ def _row_bound(base, n_vis, select_k, CHUNK: tl.constexpr, KW: tl.constexpr, LB:
 
 
 @triton.jit
-def _survivors_kernel(cand_ptr, n_lists, lens_ptr, lens_stride, n_cols, surv_ptr, count_ptr, select_k,
+def _survivors_kernel(cand_ptr, n_lists, lens_ptr, lens_stride, n_cols, surv_ptr, count_ptr, bound_ptr, select_k,
                       CHUNK: tl.constexpr, KW: tl.constexpr, LG: tl.constexpr, LB: tl.constexpr,
                       FILTER: tl.constexpr, PDL: tl.constexpr):
     _pdl.grid_dependency_sync(PDL)
-    # Program (row, group): appends the keys >= _row_bound of lists [group*LG, +LG) of
-    # cand[row] (the KW keys after each list's HEAD slots) to surv[row], at offsets claimed
-    # with an atomic on count[row]. The order of the survivors depends on the schedule; what
-    # follows only counts and sorts them.
+    # Program (row, group): appends the keys >= the row bound (FILTER: _union_bound_kernel's,
+    # else _row_bound) of lists [group*LG, +LG) of cand[row] (the KW keys after each list's HEAD
+    # slots) to surv[row], at offsets claimed with an atomic on count[row]. The order of the
+    # survivors depends on the schedule; what follows only counts and sorts them.
     row = tl.program_id(0).to(tl.int64)
     n_vis = visible_pools(lens_ptr, row * lens_stride, n_cols)
     if n_vis > select_k:
         base = cand_ptr + row * n_lists * (HEAD + KW)
-        lo = _row_bound(base, n_vis, select_k, CHUNK, KW, LB, FILTER)
+        if FILTER:
+            lo = tl.load(bound_ptr + row)
+        else:
+            lo = _row_bound(base, n_vis, select_k, CHUNK, KW, LB, FILTER)
         lst = tl.program_id(1) * LG + tl.arange(0, LG)
         if FILTER:
             tl.static_assert(KW == CHUNK, "a filtering leaf keeps all its keys")
@@ -371,6 +387,32 @@ def _survivors_kernel(cand_ptr, n_lists, lens_ptr, lens_stride, n_cols, surv_ptr
         keep = (key >= lo) & (key != NO_KEY)
         at = tl.atomic_add(count_ptr + row, tl.sum(keep.to(tl.int32)))
         tl.store(surv_ptr + row * n_lists * KW + at + tl.cumsum(keep.to(tl.int32), 0) - 1, key, mask=keep)
+
+
+@triton.jit
+def _union_bound_kernel(cand_ptr, n_lists, lens_ptr, lens_stride, n_cols, bound_ptr, select_k, CHUNK: tl.constexpr,
+                        LB: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr):
+    _pdl.grid_dependency_sync(PDL)
+    # Program (row): the row bound of filtering leaves (store_leaf_bounds) -> bound[row]: the
+    # select_k-th best of the HEAD sorted lower keys of all its wholly visible leaves (at least
+    # select_k pools score at or above it), when they hold select_k keys; else _row_bound's.
+    row = tl.program_id(0).to(tl.int64)
+    n_vis = visible_pools(lens_ptr, row * lens_stride, n_cols)
+    base = cand_ptr + row * n_lists * (HEAD + CHUNK)
+    lo = _row_bound(base, n_vis, select_k, CHUNK, CHUNK, LB, True)
+    full, _ = _bound_rank(n_vis, CHUNK, select_k)
+    cnt = (full * HEAD).to(tl.int32)
+    if (n_vis > select_k) & (lo != NO_KEY) & (cnt >= select_k):
+        top = tl.full((), NO_KEY, tl.int64)
+        for start in range(0, cnt, BLOCK):
+            i = start + tl.arange(0, BLOCK)
+            top = tl.maximum(top, tl.max(tl.load(_key_at(base, i, HEAD, HEAD + CHUNK), mask=i < cnt,
+                                                 other=NO_KEY)))
+        # lo (the smallest full leaf's rank-th head) is at or below the answer: a bucket floor
+        kth = lo.to(tl.uint64, bitcast=True) + _radix_threshold(base, cnt, lo, top, select_k, BLOCK, BITS, HEAD,
+                                                                 HEAD + CHUNK)
+        lo = kth.to(tl.int64, bitcast=True)
+    tl.store(bound_ptr + row, lo)
 
 
 @triton.jit
@@ -521,8 +563,14 @@ def survivors(cand, count, chunk, lens, n_cols, select_k, filtered: bool = False
         raise ValueError(f"n_cols: {n_cols} pools per row keep {n_lists * kw} candidate keys, the selection "
                          f"handles fewer than {MAX_SURVIVORS}")
     surv = torch.empty((rows, n_lists * kw), dtype=torch.int64, device=cand.device)
+    bound = surv  # unused (the bound is each program's _row_bound) unless filtered
+    if filtered:
+        bound = torch.empty((rows,), dtype=torch.int64, device=cand.device)
+        _union_bound_kernel[(rows,)](cand, n_lists, lens, lens.stride(0), n_cols, bound, select_k, CHUNK=chunk,
+                                     LB=triton.next_power_of_2(n_lists), BLOCK=SELECT_BLOCK, BITS=RADIX_BITS,
+                                     num_warps=SELECT_WARPS, **pdl_launch(cand.device))
     _survivors_kernel[(rows, triton.cdiv(n_lists, lg))](
-        cand, n_lists, lens, lens.stride(0), n_cols, surv, count, select_k, CHUNK=chunk, KW=kw, LG=lg,
+        cand, n_lists, lens, lens.stride(0), n_cols, surv, count, bound, select_k, CHUNK=chunk, KW=kw, LG=lg,
         LB=triton.next_power_of_2(n_lists), FILTER=filtered, **pdl_launch(cand.device))
     return surv
 
