@@ -215,13 +215,18 @@ def test_filter_bounds_hold_under_the_whole_error_budget(device, monkeypatch, fi
     assert used == [True, True]
 
 
-def test_filter_survivors_reach_the_union_of_the_leaf_heads(device, monkeypatch, filter_choices):
+@pytest.mark.parametrize("heads_in", ["registers", "streamed"])
+def test_filter_survivors_reach_the_union_of_the_leaf_heads(device, monkeypatch, filter_choices, heads_in):
     """A filtered row's survivors are exactly its pools whose upper bound (the leaves' int32
     codes, ids from the list positions) reaches the ``select_k``-th best of the ``HEAD`` best
-    lower keys of all its wholly visible leaves (``_union_bound_kernel``); a row whose bound
-    rank exceeds ``HEAD`` keeps every visible pool."""
+    lower keys of all its wholly visible leaves (``_union_bound_kernel``, its heads held in
+    registers, or streamed 64 at a time); a row whose bound rank exceeds ``HEAD`` keeps every
+    visible pool."""
     monkeypatch.setenv("KPOOL_BACKEND", "triton")
     monkeypatch.setenv(score.SCORER_ENV, "filter")
+    if heads_in == "streamed":
+        monkeypatch.setattr(topk, "UNION_RESIDENT_KEYS", 0)
+        monkeypatch.setattr(topk, "SELECT_BLOCK", 64)
     seen = []
     real = topk.survivors
 

@@ -69,6 +69,9 @@ RANK_COMPARES = 1 << 24  # compares one threshold select may spend ranking (rank
 RANK_SLICE, RANK_BLOCK = 8, 256  # survivors a ranking program ranks, and compares them with, per step ...
 RANK_PROGRAMS_PER_SM = 3  # ... and its programs per SM (rank_programs)
 SURVIVOR_KEYS = 2048  # keys per program of the survivor filter
+UNION_RESIDENT_KEYS = 8192  # heads _union_bound_kernel keeps in registers for all its passes (union_block) ...
+UNION_BITS = RADIX_BITS  # ... bits per radix pass there ...
+UNION_WARPS = SELECT_WARPS  # ... and its warps
 PROGRAMS_PER_SM = 2  # leaf grid target when choosing the leaf size
 MIN_KB = 16  # tl.topk / tl.arange below 16 keys do not lower on every target
 HEAD = tl.constexpr(MIN_KB)  # sorted best keys ahead of an unsorted leaf list (module docstring, 1.)
@@ -307,30 +310,45 @@ def _key_at(base, i, GROUP: tl.constexpr, GSTRIDE):
 
 
 @triton.jit
+def _digit_hist(u, ok, bucket, span, s, BITS: tl.constexpr):
+    """Histogram ``[2^BITS]`` int32 of the digit ``(u - bucket) >> s`` of the offsets ``u``
+    (uint64) in the bucket ``[bucket, bucket + span]`` where ``ok``."""
+    rel = u - bucket
+    return tl.histogram(((rel >> s.to(tl.uint64)) & ((1 << BITS) - 1)).to(tl.int32), 1 << BITS,
+                        mask=ok & (u >= bucket) & (rel <= span))
+
+
+@triton.jit
 def _radix_threshold(base, cnt, lo, top, select_k, BLOCK: tl.constexpr, BITS: tl.constexpr,
-                     GROUP: tl.constexpr = 1, GSTRIDE=1):
+                     GROUP: tl.constexpr = 1, GSTRIDE=1, RESIDENT: tl.constexpr = False):
     """The ``select_k``-th largest of the ``cnt >= select_k`` unique keys ``base[0:cnt]``
     (``_key_at``), all in ``[lo, top]``, by MSB radix passes over ``u = uint64(key - lo)``;
     returns it as ``uint64`` offset from ``lo``. The first digit is the range's top ``BITS``
     bits, each later one the next ``BITS`` (the last one fewer). A pass histograms the current
     bucket's digit, keeps the digit where the count from the top reaches ``need`` and stops
     once that bucket holds exactly the keys still needed (at the latest on bit 0: keys are
-    unique)."""
+    unique). ``RESIDENT`` (``cnt <= BLOCK``): the keys are loaded once and every pass reads
+    them from registers; else each pass streams them ``BLOCK`` at a time."""
     span = top.to(tl.uint64, bitcast=True) - lo.to(tl.uint64, bitcast=True)  # current bucket: [bucket, bucket + span]
     s = _first_shift(span, BITS)
     bucket = tl.zeros((), tl.uint64)  # lowest offset of the current bucket
     need = tl.zeros((), tl.int32) + select_k
     searching = cnt > 0
     d = tl.arange(0, 1 << BITS)
-    while searching:
-        hist = tl.zeros((1 << BITS,), tl.int32)
-        for start in range(0, cnt, BLOCK):
-            i = start + tl.arange(0, BLOCK)
-            u = (tl.load(_key_at(base, i, GROUP, GSTRIDE), mask=i < cnt, other=0).to(tl.uint64, bitcast=True)
+    if RESIDENT:
+        i = tl.arange(0, BLOCK)
+        u_all = (tl.load(_key_at(base, i, GROUP, GSTRIDE), mask=i < cnt, other=0).to(tl.uint64, bitcast=True)
                  - lo.to(tl.uint64, bitcast=True))
-            rel = u - bucket
-            hist += tl.histogram(((rel >> s.to(tl.uint64)) & ((1 << BITS) - 1)).to(tl.int32), 1 << BITS,
-                                 mask=(i < cnt) & (u >= bucket) & (rel <= span))
+    while searching:
+        if RESIDENT:
+            hist = _digit_hist(u_all, tl.arange(0, BLOCK) < cnt, bucket, span, s, BITS)
+        else:
+            hist = tl.zeros((1 << BITS,), tl.int32)
+            for start in range(0, cnt, BLOCK):
+                i = start + tl.arange(0, BLOCK)
+                u = (tl.load(_key_at(base, i, GROUP, GSTRIDE), mask=i < cnt, other=0).to(tl.uint64, bitcast=True)
+                     - lo.to(tl.uint64, bitcast=True))
+                hist += _digit_hist(u, i < cnt, bucket, span, s, BITS)
         digit, at_or_above, n_eq = _pick_digit(hist, need, d)
         need -= at_or_above - n_eq
         bucket += digit.to(tl.uint64) << s.to(tl.uint64)
@@ -391,7 +409,8 @@ def _survivors_kernel(cand_ptr, n_lists, lens_ptr, lens_stride, n_cols, surv_ptr
 
 @triton.jit
 def _union_bound_kernel(cand_ptr, n_lists, lens_ptr, lens_stride, n_cols, bound_ptr, select_k, CHUNK: tl.constexpr,
-                        LB: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr):
+                        LB: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, RESIDENT: tl.constexpr,
+                        PDL: tl.constexpr):
     _pdl.grid_dependency_sync(PDL)
     # Program (row): the row bound of filtering leaves (store_leaf_bounds) -> bound[row]: the
     # select_k-th best of the HEAD sorted lower keys of all its wholly visible leaves (at least
@@ -410,7 +429,7 @@ def _union_bound_kernel(cand_ptr, n_lists, lens_ptr, lens_stride, n_cols, bound_
                                                  other=NO_KEY)))
         # lo (the smallest full leaf's rank-th head) is at or below the answer: a bucket floor
         kth = lo.to(tl.uint64, bitcast=True) + _radix_threshold(base, cnt, lo, top, select_k, BLOCK, BITS, HEAD,
-                                                                 HEAD + CHUNK)
+                                                                 HEAD + CHUNK, RESIDENT)
         lo = kth.to(tl.int64, bitcast=True)
     tl.store(bound_ptr + row, lo)
 
@@ -552,6 +571,14 @@ def survivor_block(chunk: int, kb: int) -> tuple:
     return kw, max(1, SURVIVOR_KEYS // kw)
 
 
+def union_block(n_lists: int) -> tuple:
+    """``(BLOCK, RESIDENT)`` of ``_union_bound_kernel`` for rows of ``n_lists`` leaf lists: all
+    their ``HEAD`` keys in registers up to ``UNION_RESIDENT_KEYS``, else streamed
+    ``SELECT_BLOCK`` at a time."""
+    heads = triton.next_power_of_2(n_lists) * MIN_KB
+    return (heads, True) if heads <= UNION_RESIDENT_KEYS else (SELECT_BLOCK, False)
+
+
 def survivors(cand, count, chunk, lens, n_cols, select_k, filtered: bool = False):
     """``cand [rows, n_lists, list_size(chunk, KB)]`` (``store_leaf``'s int64 key lists of
     leaves of ``chunk`` pools), ``count [rows]`` int32 zeros -> ``surv [rows, n_lists * KW]``
@@ -566,9 +593,10 @@ def survivors(cand, count, chunk, lens, n_cols, select_k, filtered: bool = False
     bound = surv  # unused (the bound is each program's _row_bound) unless filtered
     if filtered:
         bound = torch.empty((rows,), dtype=torch.int64, device=cand.device)
+        block, resident = union_block(n_lists)
         _union_bound_kernel[(rows,)](cand, n_lists, lens, lens.stride(0), n_cols, bound, select_k, CHUNK=chunk,
-                                     LB=triton.next_power_of_2(n_lists), BLOCK=SELECT_BLOCK, BITS=RADIX_BITS,
-                                     num_warps=SELECT_WARPS, **pdl_launch(cand.device))
+                                     LB=triton.next_power_of_2(n_lists), BLOCK=block, BITS=UNION_BITS,
+                                     RESIDENT=resident, num_warps=UNION_WARPS, **pdl_launch(cand.device))
     _survivors_kernel[(rows, triton.cdiv(n_lists, lg))](
         cand, n_lists, lens, lens.stride(0), n_cols, surv, count, bound, select_k, CHUNK=chunk, KW=kw, LG=lg,
         LB=triton.next_power_of_2(n_lists), FILTER=filtered, **pdl_launch(cand.device))
