@@ -351,7 +351,7 @@ def _topk_specs(m):
             cross=(axis("CHUNK", (256, 512)), axis("LB", (2, 512, 1024))),  # heads in registers up to LB 512
             cycle=(int_ptr_axis("lens_ptr"), axis("lens_stride", (1, "i32"))),
             derive=lambda c: dict(zip(("BLOCK", "RESIDENT"), m.union_block(c["LB"]))),
-            fixed=dict(BITS=m.UNION_BITS), options=dict(num_warps=m.UNION_WARPS)),
+            fixed=dict(BITS=m.RADIX_BITS), options=dict(num_warps=m.SELECT_WARPS)),
         "_threshold_select_kernel": KernelSpec(
             ptrs=dict(surv_ptr="i64", count_ptr="i32", lens_ptr="i32", out_ptr="i32"),
             cross=(_kb_axis(),), cycle=(int_ptr_axis("lens_ptr"), axis("lens_stride", (1, "i32"))),
