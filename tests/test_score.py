@@ -218,10 +218,11 @@ def test_filter_bounds_hold_under_the_whole_error_budget(device, monkeypatch, fi
 @pytest.mark.parametrize("heads_in", ["registers", "streamed"])
 def test_filter_survivors_reach_the_union_of_the_leaf_heads(device, monkeypatch, filter_choices, heads_in):
     """A filtered row's survivors are exactly its pools whose upper bound (the leaves' int32
-    codes, ids from the list positions) reaches the ``select_k``-th best of the ``HEAD`` best
-    lower keys of all its wholly visible leaves (``_union_bound_kernel``, its heads held in
+    codes, ids from the list positions) reaches the ``select_k``-th best of the ``HEAD`` lower
+    keys all its wholly visible leaves wrote (``_union_bound_kernel``, its heads held in
     registers, or streamed 64 at a time); a row whose bound rank exceeds ``HEAD`` keeps every
-    visible pool."""
+    visible pool. Each leaf's heads (``store_leaf_bounds``) are sorted, from pools of the leaf
+    at distinct tile positions, each at or below the pool's exact key."""
     monkeypatch.setenv("KPOOL_BACKEND", "triton")
     monkeypatch.setenv(score.SCORER_ENV, "filter")
     if heads_in == "streamed":
@@ -236,7 +237,8 @@ def test_filter_survivors_reach_the_union_of_the_leaf_heads(device, monkeypatch,
         return surv
 
     monkeypatch.setattr(topk, "survivors", spy)
-    run_case(device, heads=16, fp8_dtype=FP8[0], seed=23, bad_page=True, nan_codes=True, **FILTER_CASE)
+    _, logits = run_case(device, heads=16, fp8_dtype=FP8[0], seed=23, bad_page=True, nan_codes=True, **FILTER_CASE)
+    exact = reference.pool_order_keys(logits)
     cand, count, chunk, lens, n_cols, select_k, filtered = seen[0]  # the fused scorer's (then the unfused check's)
     assert filtered and filter_choices == [True]
     head, no_upper, no_key = (int(getattr(c, "value", c)) for c in (topk.HEAD, topk.NO_UPPER, topk.NO_KEY))
@@ -251,7 +253,14 @@ def test_filter_survivors_reach_the_union_of_the_leaf_heads(device, monkeypatch,
         rank = -(-select_k // max(full, 1))
         keys = upper[r].flatten()[:vis]
         if rank <= head and full * head >= select_k:
-            bound = cand[r, :full, :head].flatten().topk(select_k).values[-1]
+            heads = cand[r, :full, :head]
+            assert torch.equal(heads, heads.sort(dim=1, descending=True).values), f"row {r}"
+            pools = 2**32 - 1 - (heads & (2**32 - 1))
+            assert torch.equal(pools // chunk, torch.arange(full)[:, None].expand(-1, head)), f"row {r}"
+            tile_pos = (pools % score.BLOCK_POOLS).sort(dim=1).values
+            assert (tile_pos[:, 1:] > tile_pos[:, :-1]).all(), f"row {r}"
+            assert (heads <= exact[r, pools]).all(), f"row {r}"
+            bound = heads.flatten().topk(select_k).values[-1]
             checked += 1
         else:
             bound = no_key + 1

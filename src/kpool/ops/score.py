@@ -108,11 +108,14 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
                                 NATIVE_FP8)
         w = tl.load(w_ptr + b * w_sb + (t0 + c // H) * w_sn + (c % H) * w_sh, mask=q_live, other=0.0)
         tiles = tl.arange(0, NT)
-        keys = tl.full((NT, BN, ROWS), topk.NO_KEY, tl.int64)  # INT64_MIN = not seen
-        if FILTER:  # keys = lower bounds; the upper bounds of the exact keys go to the lists (module docstring)
+        if FILTER:  # keys: each tile position's best lower bound over the leaf's tiles; the upper bounds
+            #         of the exact keys go to the lists tile by tile (module docstring)
+            keys = tl.full((BN, ROWS), topk.NO_KEY, tl.int64)  # INT64_MIN = not seen
             q16, q_l1 = query_values(q)
             err = logit_error_scale(w, q_l1, H, ROWS, FP8_MAX, ERROR)  # [ROWS]
             lists = topk.leaf_list(cand_ptr, safe_rows * n_chunks + chunk, NT * BN, KB)
+        else:
+            keys = tl.full((NT, BN, ROWS), topk.NO_KEY, tl.int64)
         pt_row = pt_ptr + b * pt_sb
         j0 = chunk * NT * BN  # first pool of the tile
         j = j0 + tl.arange(0, BN)
@@ -135,7 +138,7 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
                     if SHAKE != 0.0:  # test hook (FILTER_SHAKE): a within its bound, up or down by the id
                         a += tl.where(((j * 2654435761) >> 11) % 2 == 0, SHAKE, -SHAKE)[:, None] * e
                     lo, hi = bound_keys(a, e, j[:, None], seen)
-                    keys = tl.where(tiles[:, None, None] == i, lo[None, :, :], keys)
+                    keys = tl.maximum(keys, lo)
                 else:
                     x = paged_tile_logits(q, q_nan, w, codes, kscale, ok, seen, lut_ptr, BN, H, ROWS, FNUZ,
                                           NATIVE_FP8)
@@ -147,13 +150,14 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
             j += BN
         for r in tl.static_range(ROWS):
             if t0 + r < next_n:
-                mine = tl.max(tl.where(rr[None, None, :] == r, keys, topk.NO_KEY), axis=2)  # [NT, BN]
                 row = b * next_n + t0 + r
                 lst = topk.leaf_list(cand_ptr, row * n_chunks + chunk, NT * BN, KB)
                 n_row = tl.max(tl.where(rr == r, n_vis, 0))
                 if FILTER:
-                    topk.store_leaf_bounds(tl.reshape(mine, (NT * BN,)), lst, n_row, select_k, NT * BN, KB)
+                    mine = tl.max(tl.where(rr[None, :] == r, keys, topk.NO_KEY), axis=1)  # [BN]
+                    topk.store_leaf_bounds(mine, lst, n_row, select_k, NT * BN, KB)
                 else:
+                    mine = tl.max(tl.where(rr[None, None, :] == r, keys, topk.NO_KEY), axis=2)  # [NT, BN]
                     topk.store_leaf(tl.reshape(mine, (NT * BN,)), lst, out_ptr + row * out_stride, n_row, select_k,
                                     NT * BN, KB, FINAL)
     elif FINAL:

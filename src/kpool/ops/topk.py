@@ -22,8 +22,9 @@ Kernels:
    of ``HEAD + KW`` keys: when it keeps all its keys and the row's bound rank (below) is at
    most ``HEAD``, its ``HEAD`` best sorted (``tl.topk(keys, HEAD)``, far cheaper than a sort)
    followed by all its keys unsorted; else its ``KW`` best sorted after ``HEAD`` unused slots.
-   A filtering leaf (``ops/score.py``) writes its ``HEAD`` best lower keys, then the upper
-   bounds of all its pools as int32 codes (``store_upper_bounds``: the ids are the positions).
+   A filtering leaf (``ops/score.py``) writes ``HEAD`` lower keys (the best of its tile
+   positions' maxima, ``store_leaf_bounds``), then the upper bounds of all its pools as int32
+   codes (``store_upper_bounds``: the ids are the positions).
 2. rows with several leaves, without merging the lists (``threshold_select``):
    ``_survivors_kernel`` (programs per (row, group of lists)) computes a lower bound of the
    row's ``select_k``-th best key (``_row_bound``: the ``cdiv(select_k, n_full)``-th key of
@@ -192,10 +193,15 @@ def store_leaf(keys, cand_ptr, out_ptr, n_vis, select_k, CHUNK: tl.constexpr, KB
 
 @triton.jit
 def store_leaf_bounds(lower, cand_ptr, n_vis, select_k, CHUNK: tl.constexpr, KB: tl.constexpr):
-    """A filtering leaf's list head (``FILTER``, a leaf that keeps all its keys): its ``HEAD``
-    best *lower* keys sorted; when the row's bound rank is above ``HEAD`` they are not
-    written (``_row_bound`` then bounds nothing). The list's other ``CHUNK`` slots hold all
-    its *upper* bounds unsorted, stored tile by tile (``store_upper_bounds``)."""
+    """A filtering leaf's list head (``FILTER``, a leaf that keeps all its keys): from
+    ``lower [BN]``, each tile position's best lower key over the leaf's tiles (a lower key of a
+    distinct pool each), the ``HEAD`` best, sorted; when the row's bound rank is above ``HEAD``
+    they are not written (the row then bounds nothing). Any lower keys of distinct pools bound
+    the row (at least ``select_k`` pools score at or above the ``select_k``-th best of them);
+    these per-position maxima of leaves of 512 give a bound ranked ~530th among the lower keys
+    where the leaf's 512 would give the 512th (random scores), for a topk over ``BN`` keys
+    instead of ``CHUNK``. The list's other ``CHUNK`` slots hold all its *upper* bounds unsorted,
+    stored tile by tile (``store_upper_bounds``)."""
     tl.static_assert((CHUNK <= KB) and (CHUNK >= HEAD), "a filtering leaf keeps all its keys")
     _, rank = _bound_rank(n_vis, CHUNK, select_k)
     if _unsorted_list(rank, CHUNK, CHUNK):
@@ -414,7 +420,7 @@ def _union_bound_kernel(cand_ptr, n_lists, lens_ptr, lens_stride, n_cols, bound_
                         PDL: tl.constexpr):
     _pdl.grid_dependency_sync(PDL)
     # Program (row): the row bound of filtering leaves (store_leaf_bounds) -> bound[row]: the
-    # select_k-th best of the HEAD sorted lower keys of all its wholly visible leaves (at least
+    # select_k-th best of the HEAD lower keys (distinct pools) of all its wholly visible leaves (at least
     # select_k pools score at or above it), when they hold select_k keys; else _row_bound's.
     row = tl.program_id(0).to(tl.int64)
     n_vis = visible_pools(lens_ptr, row * lens_stride, n_cols)
