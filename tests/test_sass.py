@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from kpool import sass
+from kpool.ops import score
 
 SNIPPET = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
@@ -49,8 +50,10 @@ def run_tool(*args):
 
 def test_filtering_leaf_reads_codes_128_bits_at_a_time():
     out = run_tool("_paged_topk_kernel", "--match", "FILTER=True,ROWS=1,FNUZ=False",
-                   "--set", "H=32,NT=8,KB=512,PAGE=64,PRESHUFFLE=False,FINAL=False,STAGES=3", "--maxnreg", "96")
+                   "--set", "H=32,NT=8,KB=512,PAGE=64,PRESHUFFLE=False,FINAL=False,STAGES=3",
+                   "--maxnreg", str(score.max_regs(filtered=True)))
     assert out.returncode == 0, out.stderr[-2000:]
+    assert "spill stores 0, spill loads 0" in out.stdout, out.stdout
     loops = [line for line in out.stdout.splitlines() if line.startswith("    memory / sync:") and "HGMMA" in line]
     assert loops, out.stdout
     assert "LDS.128" in loops[0] and "LDS.U16" not in loops[0] and "LDS.U8" not in loops[0], out.stdout

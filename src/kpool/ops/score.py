@@ -63,9 +63,9 @@ SCORER_ENV = "KPOOL_SCORER"
 # 15th session; 2^-14 also covers the rounding of the epilogue and of the bounds).
 FILTER_ERROR = 2.0**-14
 FILTER_SHAKE = 0.0  # tests only: move each approximate logit by this fraction of its bound
-FILTER_MAX_REGS = 96  # one-row filtering leaves of H <= 32 (max_regs): 5 programs per SM, no spills (94 registers
-#                       since mma_dim_order; H200, H = 32, 32 x 128K / 128 x 1M: 96 97.9 us / 2.03 ms, 80 100.0 / 2.05,
-#                       72 110.0 / 2.21; before it, 27fde99 at 2 stages: 80 123.9 / 2.62, 96 117.9 / 2.47) ...
+FILTER_MAX_REGS = 80  # one-row filtering leaves of H <= 32 (max_regs): 6 programs per SM, no spills (89 registers
+#                       uncapped since the position-max heads; H200, H = 32, 32 x 128K / 128 x 1M: 96 87.4 us / 1.75 ms,
+#                       80 85.8 / 1.72, 72 86.8 / 1.75; before them, 96 97.9 / 2.03, 80 100.0 / 2.05) ...
 FILTER_MAX_REGS_H64 = 128  # ... and of H = 64 (sm_90 SASS since mma_dim_order: 122 registers, none spilled at 112,
 #                            10 spill loads at 96, the cap of 5 programs per SM; not timed)
 FILTER_MIN_CHUNK = 256  # filter leaves of at least this many pools (H200, exact -> filter: 1 x 128K, leaves of
