@@ -70,7 +70,8 @@ RADIX_BITS = 6  # bits per radix pass of the threshold select, at most 8 (H200, 
 RANK_COMPARES = 1 << 24  # compares one threshold select may spend ranking (rank_limit; H200: 1 x 128K, 2,367
 #                          survivors: ~13 -> 4.3 us ranked; 32 x 128K, ~1,000 per row: 224 radix vs 233 ranked)
 RANK_SLICE, RANK_BLOCK = 8, 256  # survivors a ranking program ranks, and compares them with, per step ...
-RANK_PROGRAMS_PER_SM = 3  # ... and its programs per SM (rank_programs)
+RANK_PROGRAMS_PER_SM = 2  # ... and its programs per SM (rank_programs): the blocks of 8 warps at 94 registers one SM
+#                            holds, so that a row's programs run in one wave
 SURVIVOR_KEYS = 2048  # keys per program of the survivor filter
 UNION_RESIDENT_KEYS = 8192  # heads _union_bound_kernel keeps in registers for all its passes (union_block; H200,
 #                             ncu: 32 x 128K 12.4 -> 10.4 us, 128 x 1M 33.3 -> 23.6 vs streamed from memory)
@@ -618,11 +619,12 @@ def rank_limit(rows: int) -> int:
 
 def rank_programs(rows: int, limit: int, device) -> int:
     """Programs per row of ``_threshold_select_kernel`` (each ranks every ``G``-th slice): enough
-    to fill the GPU with ``RANK_PROGRAMS_PER_SM`` per SM, at most one per slice of ``limit``
+    to fill the GPU with ``RANK_PROGRAMS_PER_SM`` per SM without a second wave (H200, 32 x 128K:
+    8 per row instead of 13 in 1.6 waves, 85.7 -> 84.5 us), at most one per slice of ``limit``
     survivors (two off the GPU, so that the CPU lanes exercise the striding)."""
     slices = max(1, triton.cdiv(limit, RANK_SLICE))
     sms = _sm_count(device)
-    return min(slices, max(1, triton.cdiv(RANK_PROGRAMS_PER_SM * sms, rows)) if sms else 2)
+    return min(slices, max(1, RANK_PROGRAMS_PER_SM * sms // rows) if sms else 2)
 
 
 def threshold_select(cand, count, chunk, lens, n_cols, select_k, out, refine=None) -> None:
