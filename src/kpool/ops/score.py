@@ -66,8 +66,8 @@ FILTER_SHAKE = 0.0  # tests only: move each approximate logit by this fraction o
 FILTER_MAX_REGS = 80  # one-row filtering leaves of H <= 32 (max_regs): 6 programs per SM, no spills (89 registers
 #                       uncapped since the position-max heads; H200, H = 32, 32 x 128K / 128 x 1M: 96 87.4 us / 1.75 ms,
 #                       80 85.8 / 1.72, 72 86.8 / 1.75; before them, 96 97.9 / 2.03, 80 100.0 / 2.05) ...
-FILTER_MAX_REGS_H64 = 128  # ... and of H = 64 (sm_90 SASS since mma_dim_order: 122 registers, none spilled at 112,
-#                            10 spill loads at 96, the cap of 5 programs per SM; not timed)
+FILTER_MAX_REGS_H64 = 128  # ... and of H = 64 (sm_90 SASS since the position-max heads: 118 registers, none
+#                            spilled at 96, the cap of 5 programs per SM, 14 spill loads at 80; not timed)
 FILTER_MIN_CHUNK = 256  # filter leaves of at least this many pools (H200, exact -> filter: 1 x 128K, leaves of
 #                         128: 21.3 -> 32.3 us; 2 x 128K (128): 34.5 -> 38.8; 4 x 128K (256): 50.5 -> 45.8;
 #                         32 x 128K (512): 216 -> 165; 128 x 1M: 5.71 -> 4.04 ms; prefill 8192 x 32K: 52 -> 30 ms)
