@@ -13,10 +13,10 @@ compiles it with the triton wheel's own tools (no GPU) and reports:
   flight).
 
     python -m kpool.sass _paged_topk_kernel --match FILTER=True,ROWS=1,FNUZ=False \\
-        --set H=32,NT=8,KB=512,PAGE=64,PRESHUFFLE=False,FINAL=False --maxnreg 96 --out /tmp/leaf
+        --set H=32,NT=8,KB=512,PAGE=64,PRESHUFFLE=False,FINAL=False --out /tmp/leaf
 
 ``--match`` picks the first job whose constexprs have those values (``--list`` shows them);
-``--set`` overrides constexprs after that. Instruction counts are a proxy: time the change on
+``--set`` overrides constexprs after that; ``--maxnreg`` replaces the launcher's register cap. Instruction counts are a proxy: time the change on
 the GPU (``benchmarks/ab.py``) before keeping it.
 """
 

@@ -107,7 +107,6 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
         q, q_nan = query_halves(q_rows[None, :] + tl.arange(0, 64)[:, None], q_live[None, :], lut_ptr, FNUZ,
                                 NATIVE_FP8)
         w = tl.load(w_ptr + b * w_sb + (t0 + c // H) * w_sn + (c % H) * w_sh, mask=q_live, other=0.0)
-        tiles = tl.arange(0, NT)
         if FILTER:  # keys: each tile position's best lower bound over the leaf's tiles; the upper bounds
             #         of the exact keys go to the lists tile by tile (module docstring)
             keys = tl.full((BN, ROWS), topk.NO_KEY, tl.int64)  # INT64_MIN = not seen
@@ -116,6 +115,7 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
             lists = topk.leaf_list(cand_ptr, safe_rows * n_chunks + chunk, NT * BN, KB)
         else:
             keys = tl.full((NT, BN, ROWS), topk.NO_KEY, tl.int64)
+            tiles = tl.arange(0, NT)
         pt_row = pt_ptr + b * pt_sb
         j0 = chunk * NT * BN  # first pool of the tile
         j = j0 + tl.arange(0, BN)

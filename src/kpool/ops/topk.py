@@ -430,11 +430,8 @@ def _union_bound_kernel(cand_ptr, n_lists, lens_ptr, lens_stride, n_cols, bound_
     full, _ = _bound_rank(n_vis, CHUNK, select_k)
     cnt = (full * HEAD).to(tl.int32)
     if (n_vis > select_k) & (lo != NO_KEY) & (cnt >= select_k):
-        top = tl.full((), NO_KEY, tl.int64)
-        for start in range(0, cnt, BLOCK):
-            i = start + tl.arange(0, BLOCK)
-            top = tl.maximum(top, tl.max(tl.load(_key_at(base, i, HEAD, HEAD + CHUNK), mask=i < cnt,
-                                                 other=NO_KEY)))
+        lst = tl.arange(0, LB)  # each list's heads are sorted: the best of all is a first head
+        top = tl.max(tl.load(base + lst * (HEAD + CHUNK), mask=lst < full, other=NO_KEY))
         # lo (the smallest full leaf's rank-th head) is at or below the answer: a bucket floor
         kth = lo.to(tl.uint64, bitcast=True) + _radix_threshold(base, cnt, lo, top, select_k, BLOCK, BITS, HEAD,
                                                                  HEAD + CHUNK, RESIDENT)
