@@ -215,19 +215,23 @@ def test_filter_bounds_hold_under_the_whole_error_budget(device, monkeypatch, fi
     assert used == [True, True]
 
 
-@pytest.mark.parametrize("heads_in", ["registers", "streamed"])
+@pytest.mark.parametrize("heads_in", ["registers", "streamed", "wide leaves"])
 def test_filter_survivors_reach_the_union_of_the_leaf_heads(device, monkeypatch, filter_choices, heads_in):
     """A filtered row's survivors are exactly its pools whose upper bound (the leaves' int32
     codes, ids from the list positions) reaches the ``select_k``-th best of the ``HEAD`` lower
     keys all its wholly visible leaves wrote (``_union_bound_kernel``, its heads held in
-    registers, or streamed 64 at a time); a row whose bound rank exceeds ``HEAD`` keeps every
-    visible pool. Each leaf's heads (``store_leaf_bounds``) are sorted, from pools of the leaf
+    registers, or streamed 64 at a time; or of leaves of 2 x KB pools, ``score.wide_plan``); a
+    row whose bound rank exceeds ``HEAD`` keeps every visible pool. Each leaf's heads (``store_leaf_bounds``) are sorted, from pools of the leaf
     at distinct tile positions, each at or below the pool's exact key."""
     monkeypatch.setenv("KPOOL_BACKEND", "triton")
     monkeypatch.setenv(score.SCORER_ENV, "filter")
     if heads_in == "streamed":
         monkeypatch.setattr(topk, "UNION_RESIDENT_KEYS", 0)
         monkeypatch.setattr(topk, "SELECT_BLOCK", 64)
+    if heads_in == "wide leaves":  # as on a GPU of one SM, with leaves of KB = 128 planned and doubled
+        monkeypatch.setattr(topk, "_sm_count", lambda device: 1)
+        monkeypatch.setattr(topk, "LEAF_BASE", 0)
+        monkeypatch.setattr(score, "FILTER_WIDE_HEADS", 1)
     seen = []
     real = topk.survivors
 
@@ -240,7 +244,8 @@ def test_filter_survivors_reach_the_union_of_the_leaf_heads(device, monkeypatch,
     _, logits = run_case(device, heads=16, fp8_dtype=FP8[0], seed=23, bad_page=True, nan_codes=True, **FILTER_CASE)
     exact = reference.pool_order_keys(logits)
     cand, count, chunk, lens, n_cols, select_k, filtered = seen[0]  # the fused scorer's (then the unfused check's)
-    assert filtered and filter_choices == [True]
+    wide = heads_in == "wide leaves"  # wide_plan asks score.filters too
+    assert filtered and filter_choices == [True] * (1 + wide) and chunk == 128 * (1 + wide)
     head, no_upper, no_key = (int(getattr(c, "value", c)) for c in (topk.HEAD, topk.NO_UPPER, topk.NO_KEY))
     codes = cand.view(torch.int32)[..., 2 * head: 2 * head + chunk].to(torch.int64)  # [rows, lists, chunk]
     ids = torch.arange(codes.shape[1] * chunk).view(codes.shape[1], chunk)
@@ -265,7 +270,20 @@ def test_filter_survivors_reach_the_union_of_the_leaf_heads(device, monkeypatch,
         else:
             bound = no_key + 1
         assert int(count[r]) == int((keys >= bound).sum()), f"row {r}"
-    assert checked == 3  # rows of 18, 17 and 11 full leaves (rank 8, 8, 12)
+    # rows of 18, 17 and 11 full leaves (rank 8, 8, 12); wide: 9, 8 and 5 (rank 15, 16, 26)
+    assert checked == (2 if wide else 3)
+
+
+def test_wide_plan_doubles_filtering_leaves_of_long_rows(monkeypatch):
+    """On a GPU of 132 SMs at select_k 512: 128 rows of 262,144 pools (256 leaves of 1,024, 8 x
+    select_k heads) get leaves of 2 x KB; 32 rows of 32,768 (32 x 16 heads = select_k) keep
+    KB; so does every row under the exact scorer."""
+    monkeypatch.setattr(topk, "_sm_count", lambda device: 132)
+    monkeypatch.delenv(score.SCORER_ENV, raising=False)
+    assert score.wide_plan(128, 262144, 512, "cuda") == (1024, 256)
+    assert score.wide_plan(32, 32768, 512, "cuda") == (512, 64)
+    monkeypatch.setenv(score.SCORER_ENV, "exact")
+    assert score.wide_plan(128, 262144, 512, "cuda") == (512, 512)
 
 
 def test_scorer_switch(device, monkeypatch, filter_choices):

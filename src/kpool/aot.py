@@ -319,19 +319,27 @@ def _kb_axis():
 def _leaf_axis(granule=1, key="CHUNK"):
     """(KB, leaf size under ``key``) at the ends of ``topk.plan_leaves``' range: the smallest
     leaf (``max(MIN_CHUNK, granule)``, below KB: the sort-and-pad path) and the largest
-    (``max(KB, LEAF_BASE, granule)``: the top-k path)."""
+    (``max(KB, LEAF_BASE, granule)``: the top-k path), and ``2 * KB`` (``score.wide_plan``'s
+    filtering leaves)."""
     from .ops import topk
     out = []
     for kb in _KBS:
-        for chunk in (max(topk.MIN_CHUNK, granule), max(kb, topk.LEAF_BASE, granule)):
-            out.append({"KB": kb, key: chunk})
+        for chunk in (max(topk.MIN_CHUNK, granule), max(kb, topk.LEAF_BASE, granule), 2 * kb):
+            if {"KB": kb, key: chunk} not in out:
+                out.append({"KB": kb, key: chunk})
     return out
 
 
 def _survivor_axis(m):
-    """(CHUNK, KW, LG) of ``topk.threshold_select`` (``m.survivor_block``) at both ends of the leaf range."""
-    return [dict(zip(("CHUNK", "KW", "LG"), (c["CHUNK"], *m.survivor_block(c["CHUNK"], c["KB"]))))
-            for c in _leaf_axis()]
+    """(CHUNK, KW) of ``topk.threshold_select`` (``m.survivor_block``) over the leaf range, KB as ``_kb``."""
+    return [dict(CHUNK=c["CHUNK"], KW=m.survivor_block(c["CHUNK"], c["KB"])[0], _kb=c["KB"]) for c in _leaf_axis()]
+
+
+
+def _survivor_derive(m, c):
+    """FILTER and LG of ``_survivors_kernel`` as ``topk.survivors`` sets them."""
+    filt = c["_filter"] and c["KW"] <= c["CHUNK"] <= 2 * c["KW"]
+    return dict(FILTER=filt, LG=m.survivor_block(c["CHUNK"], c["_kb"], filt)[1])
 
 
 def _topk_specs(m):
@@ -344,11 +352,13 @@ def _topk_specs(m):
             ptrs=dict(cand_ptr="i64", lens_ptr="i32", surv_ptr="i64", count_ptr="i32", bound_ptr="i64"),
             cross=(_survivor_axis(m), axis("LB", (2, 256))),  # LB = next_pow2(leaves per row)
             cycle=(int_ptr_axis("lens_ptr"), axis("lens_stride", (1, "i32")), flag("_filter")),
-            # filtering lists only from leaves that keep all their keys (score.filters)
-            derive=lambda c: dict(FILTER=c["_filter"] and c["KW"] == c["CHUNK"])),
+            # filtering lists from leaves of up to 2 x KB pools (score.filters)
+            derive=lambda c: _survivor_derive(m, c)),
         "_union_bound_kernel": KernelSpec(
             ptrs=dict(cand_ptr="i64", lens_ptr="i32", bound_ptr="i64"),
-            cross=(axis("CHUNK", (256, 512)), axis("LB", (2, 512, 1024))),  # heads in registers up to LB 512
+            # filtering leaves of 256 and 512 pools, and wide ones of 1,024 (KB 512); heads in registers up to LB 512
+            cross=([dict(CHUNK=256, KW=256), dict(CHUNK=512, KW=512), dict(CHUNK=1024, KW=512)],
+                   axis("LB", (2, 512, 1024))),
             cycle=(int_ptr_axis("lens_ptr"), axis("lens_stride", (1, "i32"))),
             derive=lambda c: dict(zip(("BLOCK", "RESIDENT"), m.union_block(c["LB"]))),
             fixed=dict(BITS=m.RADIX_BITS), options=dict(num_warps=m.SELECT_WARPS)),
@@ -364,7 +374,7 @@ def _filter_derive(m, c):
     """NT, FILTER (only where ``score.filters`` can choose it: several leaves that keep all
     their keys), and the pipeline stages and register cap (``score.pipeline_stages``,
     ``score.max_regs``) that launch gets."""
-    filt = c["_filter"] and not c["FINAL"] and c["_chunk"] <= c["KB"]
+    filt = c["_filter"] and not c["FINAL"] and c["_chunk"] <= 2 * c["KB"]
     return dict(NT=c["_chunk"] // m.BLOCK_POOLS, FILTER=filt, STAGES=m.pipeline_stages(filt),
                 _opt_maxnreg=m.max_regs(filt, c["ROWS"], c["H"]))
 

@@ -14,7 +14,8 @@ bytes as ``select_pools(paged_pool_logits(...))`` on every backend.
 Filter and refine (``filters``; the default, ``$KPOOL_SCORER=exact`` turns it off): when the
 leaves keep all their keys, hold at least ``FILTER_MIN_CHUNK`` pools each and a row has enough
 of them that its bound rank is at most ``topk.HEAD`` (long rows: at select_k 512, from 32
-wholly visible leaves up, e.g. 16,384 pools), the leaves score with one fp16 MMA of the
+wholly visible leaves up, e.g. 16,384 pools; rows long enough get leaves of ``2 * KB``,
+``wide_plan``), the leaves score with one fp16 MMA of the
 codes' values (``logits.approx_block_logits``: the products are exact, the MMA's
 accumulation is not) instead of the exact dot, and keep two keys per pool: ``a - E * kscale``
 and ``a + E * kscale`` (``logits.bound_keys``), with ``E`` per row from ``FILTER_ERROR``
@@ -71,6 +72,8 @@ FILTER_MAX_REGS_H64 = 128  # ... and of H = 64 (sm_90 SASS since the position-ma
 FILTER_MIN_CHUNK = 256  # filter leaves of at least this many pools (H200, exact -> filter: 1 x 128K, leaves of
 #                         128: 21.3 -> 32.3 us; 2 x 128K (128): 34.5 -> 38.8; 4 x 128K (256): 50.5 -> 45.8;
 #                         32 x 128K (512): 216 -> 165; 128 x 1M: 5.71 -> 4.04 ms; prefill 8192 x 32K: 52 -> 30 ms)
+FILTER_WIDE_HEADS = 8  # filtering leaves of 2 x KB pools (wide_plan) for rows whose full leaves of that size
+#                        still hold this many times select_k heads (128 x 1M: 256 x 16 = 8 x 512; not timed)
 REFINE_PROGRAMS_PER_SM = 4  # refine grid target (refine_programs)
 MAX_ROWS = 2  # query rows of one request per program (H200, verify 32 x 128K x 4 / prefill 8192 x 32K:
 #               1 row 1,092 us / 69.2 ms, 2 rows 866 / 54.9; 4 rows 1,225 / 69.0, 960 / 57.6 uncapped: spills)
@@ -205,15 +208,33 @@ def scorer() -> str:
 
 def filters(chunk: int, kb: int, n_chunks: int, n_cols: int, select_k: int) -> bool:
     """Whether a leaf launch filters (``FILTER``): the scorer is ``filter``, several leaves of
-    ``FILTER_MIN_CHUNK`` to ``KB`` pools (they keep all their keys), and rows of ``n_cols`` pools
-    whose bound rank is at most ``HEAD`` (shorter rows in the same launch keep every pool as a
-    survivor, all rescored exactly)."""
+    ``FILTER_MIN_CHUNK`` to ``KB`` pools (they keep all their keys), or to ``2 * KB`` for rows
+    whose full leaves hold ``FILTER_WIDE_HEADS * select_k`` heads (their lists hold all their
+    int32 upper codes), and rows of ``n_cols`` pools whose bound rank is at most ``HEAD``
+    (shorter rows in the same launch keep every pool as a survivor, all rescored exactly)."""
     if FILTER_ERROR < MIN_FILTER_ERROR:
         raise ValueError(f"score.FILTER_ERROR must be at least {MIN_FILTER_ERROR} (logits.bound_keys' "
                          f"overflow guard), got {FILTER_ERROR}")
     full = max(n_cols // chunk, 1)
-    return (scorer() == "filter" and n_chunks >= 2 and max(FILTER_MIN_CHUNK, topk.MIN_KB) <= chunk <= kb
+    fits = chunk <= kb or (chunk <= 2 * kb and full * topk.MIN_KB >= FILTER_WIDE_HEADS * select_k)
+    return (scorer() == "filter" and n_chunks >= 2 and max(FILTER_MIN_CHUNK, topk.MIN_KB) <= chunk and fits
             and -(-select_k // full) <= topk.MIN_KB)
+
+
+def wide_plan(rows: int, n_cols: int, select_k: int, device) -> tuple:
+    """``(CHUNK, n_chunks)`` of the fused scorer's leaves: ``topk.plan_leaves``', doubled up to
+    ``2 * KB`` for filtering leaves when the grid still fills the GPU and the rows are long
+    enough (``FILTER_WIDE_HEADS``): a filtering list holds ``2 * KB`` pools' int32 upper codes,
+    and the leaf's work outside its tile loop (query set-up, heads) is spread over twice the
+    tiles."""
+    chunk, n_chunks = topk.plan_leaves(rows, n_cols, select_k, device, BLOCK_POOLS)
+    kb = topk.key_block(select_k)
+    wide = 2 * chunk
+    sms = topk._sm_count(device)
+    if (chunk == kb and sms and rows * triton.cdiv(n_cols, wide) >= topk.PROGRAMS_PER_SM * sms
+            and filters(wide, kb, triton.cdiv(n_cols, wide), n_cols, select_k)):
+        return wide, triton.cdiv(n_cols, wide)
+    return chunk, n_chunks
 
 
 def refine_programs(rows: int, select_k: int, device) -> int:
@@ -308,5 +329,6 @@ def paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, *
             **decode_args(fp8_dtype, device), **launch_options(device), **pdl_launch(device),
         )
 
-    topk.select_by_leaves(out, lens, limit, select_k, launch_leaves, BLOCK_POOLS, refine)
+    topk.select_by_leaves(out, lens, limit, select_k, launch_leaves, BLOCK_POOLS, refine,
+                          plan=wide_plan(rows, limit, select_k, device))
     return out

@@ -203,7 +203,7 @@ def store_leaf_bounds(lower, cand_ptr, n_vis, select_k, CHUNK: tl.constexpr, KB:
     where the leaf's 512 would give the 512th (random scores), for a topk over ``BN`` keys
     instead of ``CHUNK``. The list's other ``CHUNK`` slots hold all its *upper* bounds unsorted,
     stored tile by tile (``store_upper_bounds``)."""
-    tl.static_assert((CHUNK <= KB) and (CHUNK >= HEAD), "a filtering leaf keeps all its keys")
+    tl.static_assert((CHUNK <= 2 * KB) and (CHUNK >= HEAD), "a filtering leaf's list holds all its bounds")
     _, rank = _bound_rank(n_vis, CHUNK, select_k)
     if _unsorted_list(rank, CHUNK, CHUNK):
         tl.store(cand_ptr + tl.arange(0, HEAD), tl.topk(lower, HEAD))
@@ -370,16 +370,20 @@ def _radix_threshold(base, cnt, lo, top, select_k, BLOCK: tl.constexpr, BITS: tl
 def _row_bound(base, n_vis, select_k, CHUNK: tl.constexpr, KW: tl.constexpr, LB: tl.constexpr,
                FILTER: tl.constexpr):
     """A lower bound of a row's ``select_k``-th best key from its leaf lists at ``base``
-    (``store_leaf``, ``HEAD + KW`` keys each, leaves of ``CHUNK`` pools; int64 scalar). The
+    (``store_leaf``, ``HEAD + KW`` keys each, leaves of ``CHUNK`` pools; int64 scalar; with
+    ``FILTER`` the ``KW`` slots hold the ``CHUNK <= 2 * KW`` upper codes). The
     first ``full`` lists come from wholly visible leaves and hold ``KW`` keys each; when their
     ``rank``-th keys exist (``_bound_rank``), at least ``select_k`` keys are ``>=`` the
     smallest of those. Else ``NO_KEY`` (every key). ``FILTER`` (``store_leaf_bounds``): the
     heads are lower bounds, and a row whose heads were not written bounds nothing."""
     full, rank = _bound_rank(n_vis, CHUNK, select_k)
     bound = full * KW >= select_k
-    if FILTER:
-        bound = bound & _unsorted_list(rank, CHUNK, KW)
-    at = tl.where(_unsorted_list(rank, CHUNK, KW), rank - 1, HEAD + rank - 1)  # in the sorted keys
+    if FILTER:  # the heads were written when the rank is at most HEAD (store_leaf_bounds)
+        unsorted = _unsorted_list(rank, CHUNK, CHUNK)
+        bound = bound & unsorted
+    else:
+        unsorted = _unsorted_list(rank, CHUNK, KW)
+    at = tl.where(unsorted, rank - 1, HEAD + rank - 1)  # in the sorted keys
     lst = tl.arange(0, LB)
     heads = tl.load(base + lst * (HEAD + KW) + at, mask=lst < tl.where(bound, full, 0), other=9223372036854775807)
     return tl.where(bound, tl.min(heads), NO_KEY)
@@ -403,38 +407,42 @@ def _survivors_kernel(cand_ptr, n_lists, lens_ptr, lens_stride, n_cols, surv_ptr
         else:
             lo = _row_bound(base, n_vis, select_k, CHUNK, KW, LB, FILTER)
         lst = tl.program_id(1) * LG + tl.arange(0, LG)
-        if FILTER:
-            tl.static_assert(KW == CHUNK, "a filtering leaf keeps all its keys")
-            key = _upper_keys(base + lst[:, None] * (HEAD + KW), lst[:, None], (lst < n_lists)[:, None], KW)
+        if FILTER:  # all CHUNK pools' upper codes, two per slot
+            tl.static_assert((CHUNK >= KW) and (CHUNK <= 2 * KW), "a filtering leaf keeps all its bounds")
+            key = _upper_keys(base + lst[:, None] * (HEAD + KW), lst[:, None], (lst < n_lists)[:, None], CHUNK)
+            key = tl.reshape(key, (LG * CHUNK,))
+            surv_row = surv_ptr + row * n_lists * CHUNK
         else:
             key = tl.load(base + lst[:, None] * (HEAD + KW) + HEAD + tl.arange(0, KW)[None, :],
                           mask=(lst < n_lists)[:, None], other=NO_KEY)
-        key = tl.reshape(key, (LG * KW,))
+            key = tl.reshape(key, (LG * KW,))
+            surv_row = surv_ptr + row * n_lists * KW
         keep = (key >= lo) & (key != NO_KEY)
         at = tl.atomic_add(count_ptr + row, tl.sum(keep.to(tl.int32)))
-        tl.store(surv_ptr + row * n_lists * KW + at + tl.cumsum(keep.to(tl.int32), 0) - 1, key, mask=keep)
+        tl.store(surv_row + at + tl.cumsum(keep.to(tl.int32), 0) - 1, key, mask=keep)
 
 
 @triton.jit
 def _union_bound_kernel(cand_ptr, n_lists, lens_ptr, lens_stride, n_cols, bound_ptr, select_k, CHUNK: tl.constexpr,
-                        LB: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, RESIDENT: tl.constexpr,
-                        PDL: tl.constexpr):
+                        KW: tl.constexpr, LB: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr,
+                        RESIDENT: tl.constexpr, PDL: tl.constexpr):
     _pdl.grid_dependency_sync(PDL)
     # Program (row): the row bound of filtering leaves (store_leaf_bounds) -> bound[row]: the
     # select_k-th best of the HEAD lower keys (distinct pools) of all its wholly visible leaves (at least
     # select_k pools score at or above it), when they hold select_k keys; else _row_bound's.
+    # Lists of HEAD + KW slots (the CHUNK <= 2 * KW upper codes after the heads).
     row = tl.program_id(0).to(tl.int64)
     n_vis = visible_pools(lens_ptr, row * lens_stride, n_cols)
-    base = cand_ptr + row * n_lists * (HEAD + CHUNK)
-    lo = _row_bound(base, n_vis, select_k, CHUNK, CHUNK, LB, True)
+    base = cand_ptr + row * n_lists * (HEAD + KW)
+    lo = _row_bound(base, n_vis, select_k, CHUNK, KW, LB, True)
     full, _ = _bound_rank(n_vis, CHUNK, select_k)
     cnt = (full * HEAD).to(tl.int32)
     if (n_vis > select_k) & (lo != NO_KEY) & (cnt >= select_k):
         lst = tl.arange(0, LB)  # each list's heads are sorted: the best of all is a first head
-        top = tl.max(tl.load(base + lst * (HEAD + CHUNK), mask=lst < full, other=NO_KEY))
+        top = tl.max(tl.load(base + lst * (HEAD + KW), mask=lst < full, other=NO_KEY))
         # lo (the smallest full leaf's rank-th head) is at or below the answer: a bucket floor
         kth = lo.to(tl.uint64, bitcast=True) + _radix_threshold(base, cnt, lo, top, select_k, BLOCK, BITS, HEAD,
-                                                                 HEAD + CHUNK, RESIDENT)
+                                                                 HEAD + KW, RESIDENT)
         lo = kth.to(tl.int64, bitcast=True)
     tl.store(bound_ptr + row, lo)
 
@@ -543,7 +551,8 @@ def list_size(chunk: int, kb: int) -> int:
     return MIN_KB + min(chunk, kb)  # HEAD as a Python int
 
 
-def select_by_leaves(out, lens, n_cols, select_k, launch_leaves, granule: int = 1, refine=None) -> None:
+def select_by_leaves(out, lens, n_cols, select_k, launch_leaves, granule: int = 1, refine=None,
+                     plan=None) -> None:
     """Each row's selection into ``out [rows, select_k]`` int32: leaves, then (several leaves
     per row) ``threshold_select``.
 
@@ -554,11 +563,11 @@ def select_by_leaves(out, lens, n_cols, select_k, launch_leaves, granule: int = 
     (``clear_counts``). ``lens [rows]`` visible pools, clamped to ``n_cols``. When
     ``launch_leaves`` returns True its leaves filtered (``store_leaf_bounds``): the survivors
     hold upper bounds, and ``refine(surv, count)`` replaces them by the exact keys before the
-    selection.
+    selection. ``plan``: ``(CHUNK, n_chunks)`` instead of ``plan_leaves``'.
     """
     rows = out.shape[0]
     kb = key_block(select_k)
-    chunk, n_chunks = plan_leaves(rows, n_cols, select_k, out.device, granule)
+    chunk, n_chunks = plan or plan_leaves(rows, n_cols, select_k, out.device, granule)
     final = n_chunks == 1
     if final:
         launch_leaves(out, out, chunk, n_chunks, kb, final)
@@ -569,11 +578,12 @@ def select_by_leaves(out, lens, n_cols, select_k, launch_leaves, granule: int = 
     threshold_select(cand, count, chunk, lens, n_cols, select_k, out, refine if filtered else None)
 
 
-def survivor_block(chunk: int, kb: int) -> tuple:
-    """``(KW, LG)`` of ``_survivors_kernel``: entries a leaf list holds (``min(chunk, KB)``) and
-    lists per program (``SURVIVOR_KEYS`` keys, at least one list)."""
+def survivor_block(chunk: int, kb: int, filtered: bool = False) -> tuple:
+    """``(KW, LG)`` of ``_survivors_kernel``: slots a leaf list holds after its heads
+    (``min(chunk, KB)``) and lists per program (``SURVIVOR_KEYS`` keys, at least one list; a
+    filtering list holds all ``chunk`` pools' upper codes, two per slot)."""
     kw = min(chunk, kb)
-    return kw, max(1, SURVIVOR_KEYS // kw)
+    return kw, max(1, SURVIVOR_KEYS // (chunk if filtered else kw))
 
 
 def union_block(n_lists: int) -> tuple:
@@ -586,21 +596,23 @@ def union_block(n_lists: int) -> tuple:
 
 def survivors(cand, count, chunk, lens, n_cols, select_k, filtered: bool = False):
     """``cand [rows, n_lists, list_size(chunk, KB)]`` (``store_leaf``'s int64 key lists of
-    leaves of ``chunk`` pools), ``count [rows]`` int32 zeros -> ``surv [rows, n_lists * KW]``
-    int64: row ``r``'s keys at or above its bound (``_row_bound``) are ``surv[r, :count[r]]``,
-    in no particular order (rows with at most ``select_k`` visible pools: none)."""
+    leaves of ``chunk`` pools), ``count [rows]`` int32 zeros -> ``surv [rows, n_lists * W]``
+    int64 (``W``: ``KW``, or ``chunk`` for ``filtered`` lists): row ``r``'s keys at or above its
+    bound are ``surv[r, :count[r]]``, in no particular order (rows with at most ``select_k``
+    visible pools: none)."""
     rows, n_lists, _ = cand.shape
-    kw, lg = survivor_block(chunk, key_block(select_k))
-    if n_lists * kw >= MAX_SURVIVORS:
-        raise ValueError(f"n_cols: {n_cols} pools per row keep {n_lists * kw} candidate keys, the selection "
+    kw, lg = survivor_block(chunk, key_block(select_k), filtered)
+    width = n_lists * (chunk if filtered else kw)
+    if width >= MAX_SURVIVORS:
+        raise ValueError(f"n_cols: {n_cols} pools per row keep {width} candidate keys, the selection "
                          f"handles fewer than {MAX_SURVIVORS}")
-    surv = torch.empty((rows, n_lists * kw), dtype=torch.int64, device=cand.device)
+    surv = torch.empty((rows, width), dtype=torch.int64, device=cand.device)
     bound = surv  # unused (the bound is each program's _row_bound) unless filtered
     if filtered:
         bound = torch.empty((rows,), dtype=torch.int64, device=cand.device)
         block, resident = union_block(n_lists)
         _union_bound_kernel[(rows,)](cand, n_lists, lens, lens.stride(0), n_cols, bound, select_k, CHUNK=chunk,
-                                     LB=triton.next_power_of_2(n_lists), BLOCK=block, BITS=RADIX_BITS,
+                                     KW=kw, LB=triton.next_power_of_2(n_lists), BLOCK=block, BITS=RADIX_BITS,
                                      RESIDENT=resident, num_warps=SELECT_WARPS, **pdl_launch(cand.device))
     _survivors_kernel[(rows, triton.cdiv(n_lists, lg))](
         cand, n_lists, lens, lens.stride(0), n_cols, surv, count, bound, select_k, CHUNK=chunk, KW=kw, LG=lg,
