@@ -218,10 +218,12 @@ def test_filter_bounds_hold_under_the_whole_error_budget(device, monkeypatch, fi
 @pytest.mark.parametrize("heads_in", ["registers", "streamed", "wide leaves"])
 def test_filter_survivors_reach_the_union_of_the_leaf_heads(device, monkeypatch, filter_choices, heads_in):
     """A filtered row's survivors are exactly its pools whose upper bound (the leaves' int32
-    codes, ids from the list positions) reaches the ``select_k``-th best of the ``HEAD`` lower
-    keys all its wholly visible leaves wrote (``_union_bound_kernel``, its heads held in
-    registers, or streamed 64 at a time; or of leaves of 2 x KB pools, ``score.wide_plan``); a
-    row whose bound rank exceeds ``HEAD`` keeps every visible pool. Each leaf's heads (``store_leaf_bounds``) are sorted, from pools of the leaf
+    codes, ids from the list positions) reaches its bound: a key at most the ``select_k``-th
+    best of the ``HEAD`` lower keys all its wholly visible leaves wrote and above the next one
+    (``_union_bound_kernel``'s radix stops at the floor of the bucket that holds exactly the
+    keys still needed; its heads held in registers, or streamed 64 at a time; or of leaves of
+    2 x KB pools, ``score.wide_plan``); a row whose bound rank exceeds ``HEAD`` keeps every
+    visible pool. Each leaf's heads (``store_leaf_bounds``) are sorted, from pools of the leaf
     at distinct tile positions, each at or below the pool's exact key."""
     monkeypatch.setenv("KPOOL_BACKEND", "triton")
     monkeypatch.setenv(score.SCORER_ENV, "filter")
@@ -237,13 +239,14 @@ def test_filter_survivors_reach_the_union_of_the_leaf_heads(device, monkeypatch,
 
     def spy(cand, count, chunk, lens, n_cols, select_k, filtered=False):
         surv = real(cand, count, chunk, lens, n_cols, select_k, filtered)
-        seen.append((cand.clone().cpu(), count.clone().cpu(), chunk, lens.cpu(), n_cols, select_k, filtered))
+        seen.append((cand.clone().cpu(), count.clone().cpu(), surv.clone().cpu(), chunk, lens.cpu(), n_cols, select_k,
+                     filtered))
         return surv
 
     monkeypatch.setattr(topk, "survivors", spy)
     _, logits = run_case(device, heads=16, fp8_dtype=FP8[0], seed=23, bad_page=True, nan_codes=True, **FILTER_CASE)
     exact = reference.pool_order_keys(logits)
-    cand, count, chunk, lens, n_cols, select_k, filtered = seen[0]  # the fused scorer's (then the unfused check's)
+    cand, count, surv, chunk, lens, n_cols, select_k, filtered = seen[0]  # the fused scorer's, not the check's
     wide = heads_in == "wide leaves"  # wide_plan asks score.filters too
     assert filtered and filter_choices == [True] * (1 + wide) and chunk == 128 * (1 + wide)
     head, no_upper, no_key = (int(getattr(c, "value", c)) for c in (topk.HEAD, topk.NO_UPPER, topk.NO_KEY))
@@ -265,11 +268,17 @@ def test_filter_survivors_reach_the_union_of_the_leaf_heads(device, monkeypatch,
             tile_pos = (pools % score.BLOCK_POOLS).sort(dim=1).values
             assert (tile_pos[:, 1:] > tile_pos[:, :-1]).all(), f"row {r}"
             assert (heads <= exact[r, pools]).all(), f"row {r}"
-            bound = heads.flatten().topk(select_k).values[-1]
+            best = heads.flatten().sort(descending=True).values
+            low = best[select_k] if best.numel() > select_k else no_key  # the radix bound: in (low, best[k - 1]]
             checked += 1
         else:
-            bound = no_key + 1
-        assert int(count[r]) == int((keys >= bound).sum()), f"row {r}"
+            best, low = None, no_key  # every visible pool survives
+        kept = surv[r, :int(count[r])]
+        assert kept.unique().numel() == kept.numel(), f"row {r}"
+        floor = int(kept.min()) if best is not None else no_key + 1
+        assert set(kept.tolist()) == set(keys[keys >= floor].tolist()) and floor > low, f"row {r}"
+        if best is not None:  # with the pools of the select_k best heads (their upper keys are above them)
+            assert set(keys[keys >= best[select_k - 1]].tolist()) <= set(kept.tolist()), f"row {r}"
     # rows of 18, 17 and 11 full leaves (rank 8, 8, 12); wide: 9, 8 and 5 (rank 15, 16, 26)
     assert checked == (2 if wide else 3)
 
