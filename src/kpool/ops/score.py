@@ -73,7 +73,8 @@ FILTER_MIN_CHUNK = 256  # filter leaves of at least this many pools (H200, exact
 #                         128: 21.3 -> 32.3 us; 2 x 128K (128): 34.5 -> 38.8; 4 x 128K (256): 50.5 -> 45.8;
 #                         32 x 128K (512): 216 -> 165; 128 x 1M: 5.71 -> 4.04 ms; prefill 8192 x 32K: 52 -> 30 ms)
 FILTER_WIDE_HEADS = 8  # filtering leaves of 2 x KB pools (wide_plan) for rows whose full leaves of that size
-#                        still hold this many times select_k heads (128 x 1M: 256 x 16 = 8 x 512; H200 1,738 -> 1,638 us)
+#                        still hold this many times select_k heads (128 x 1M: 256 x 16 = 8 x 512; H200:
+#                        1,738 -> 1,638 us)
 REFINE_PROGRAMS_PER_SM = 4  # refine grid target (refine_programs)
 MAX_ROWS = 2  # query rows of one request per program (H200, verify 32 x 128K x 4 / prefill 8192 x 32K:
 #               1 row 1,092 us / 69.2 ms, 2 rows 866 / 54.9; 4 rows 1,225 / 69.0, 960 / 57.6 uncapped: spills)
