@@ -413,14 +413,17 @@ def test_logits_budget_chunks_rows(monkeypatch):
     assert logits_budget_bytes() == 256 << 20
 
 
-def test_score_and_select_matches_topk_indices(monkeypatch):
-    """The graph-capturable device part (the benchmarks' entry) on a decode grid."""
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_score_and_select_matches_topk_indices(monkeypatch, backend):
+    """The graph-capturable device part (the benchmarks' entry: the visible counts from the
+    quantization's launch on Triton) on a decode grid, against the torch ``topk_indices``."""
     monkeypatch.setenv("KPOOL_BACKEND", "torch")
     run = Run(seed=8, num_pages=16)
     run.prefill({"a": 40, "b": 29})
     run.decode({"a": 2, "b": 2})
     q, w = run.queries(4)
     want = run.cache.topk_indices(["a", "b"], q, w, index_topk=16, width=32)
+    monkeypatch.setenv("KPOOL_BACKEND", backend)
     pos = torch.tensor([[40, 41], [29, 30]], dtype=torch.int32, device=DEVICE)
     got = score_and_select(q.view(2, 2, run.H, D), w.view(2, 2, run.H), run.cache.kv_cache,
                            run.cache.page_table(["a", "b"]), pos, pool_size=4, index_topk=16, width=32,

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from kpool import numerics, reference
-from kpool.ops.quant import fwht128_quant_fp8, quantize_queries
+from kpool.ops.quant import fwht128_quant_fp8, quantize_queries, quantize_queries_and_counts
+from kpool.ops.select import visible_counts
 from _util import assert_bytes_equal
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
@@ -137,6 +138,31 @@ def test_quantize_queries_folds_the_weights(backend, device, fp8_dtype, round_sc
     assert_bytes_equal(wf.cpu(), reference.fold_head_weights(w, want_qs).cpu(), "folded weights")
 
 
+@pytest.mark.parametrize("pos_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("pool_size", [4, 16])
+@pytest.mark.parametrize("lead,heads", [((3, 5), 16), ((2, 1), 32), ((0, 4), 32)])
+def test_quantize_queries_and_counts_in_one_launch(backend, device, pos_dtype, pool_size, lead, heads):
+    """The query side of a decode / verify step: ``quantize_queries`` and ``visible_counts`` of
+    the rows' positions (padding rows negative, pool boundaries either side), bit for bit,
+    whatever the heads per token (each token's counts come from its head-0 row)."""
+    q = _queries((*lead, heads), seed=11 + heads, device=device)
+    g = torch.Generator().manual_seed(pool_size + heads)
+    w = (torch.randn(*lead, heads, generator=g) * 3.0).to(device)
+    pos = torch.randint(-3, 4 * pool_size, lead, generator=g)
+    pos.view(-1)[::3] = -1
+    pos.view(-1)[1::4] = pool_size - 1  # a pool just completed
+    pos = pos.to(pos_dtype).to(device)
+    q8, qs, wf, seq, lens = quantize_queries_and_counts(q, w, pos, pool_size)
+    want = quantize_queries(q, w)
+    for got, exp, what in zip((q8.view(torch.uint8), qs, wf), (want[0].view(torch.uint8), *want[1:]),
+                              ("codes", "scales", "folded weights")):
+        assert_bytes_equal(got.cpu(), exp.cpu(), what)
+    want_seq, want_lens = visible_counts(pos, pool_size)
+    assert seq.dtype == lens.dtype == torch.int64 and seq.shape == lens.shape == (pos.numel(),)
+    assert torch.equal(seq.cpu(), want_seq.cpu()) and torch.equal(lens.cpu(), want_lens.cpu())
+    assert torch.equal(seq.cpu(), (pos.reshape(-1).cpu().long() + 1).clamp_min(0))
+
+
 def test_quantize_queries_rejects(device):
     q = _queries((3, 16), seed=5, device=device)
     w = torch.randn(3, 16).to(device)
@@ -146,3 +172,10 @@ def test_quantize_queries_rejects(device):
         quantize_queries(q, w.double())
     with pytest.raises(ValueError, match="q"):
         quantize_queries(q[..., :64], w)
+    pos = torch.zeros(3, dtype=torch.int32).to(device)
+    with pytest.raises(ValueError, match="positions"):
+        quantize_queries_and_counts(q, w, pos[:2], 4)
+    with pytest.raises(TypeError, match="positions"):
+        quantize_queries_and_counts(q, w, pos.float(), 4)
+    with pytest.raises(ValueError, match="pool_size"):
+        quantize_queries_and_counts(q, w, pos, 0)

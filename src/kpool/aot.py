@@ -253,8 +253,11 @@ def _tail_specs(m):
 
 def _quant_specs(m):
     return {"_fwht_quant_kernel": KernelSpec(
-        ptrs=dict(q_ptr="bf16", codes_ptr="u8", scale_ptr="fp32", w_ptr="fp32", w_out_ptr="fp32"),
-        cross=(fp8_axis("FP8_MAX", "FNUZ"),), cycle=(flag("ROUND_SCALE"), flag("FOLD")),
+        ptrs=dict(q_ptr="bf16", codes_ptr="u8", scale_ptr="fp32", w_ptr="fp32", w_out_ptr="fp32", pos_ptr="i32",
+                  counts_ptr="i64"),
+        # P: the visible counts of quantize_queries_and_counts (with FOLD), or none (0)
+        cross=(fp8_axis("FP8_MAX", "FNUZ"),), cycle=(flag("ROUND_SCALE"), flag("FOLD"), axis("P", (0, 4, 16)),
+                                                     int_ptr_axis("pos_ptr")),
         fixed=dict(BR=m.BLOCK_ROWS), target_derive=native_fp8_param, options=dict(enable_fp_fusion=False))}
 
 

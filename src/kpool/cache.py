@@ -30,7 +30,7 @@ from .layout import (ENTRY_BYTES, HEAD_DIM, read_entries, resolve_fp8_dtype, res
 from .ops.decode import kpool_decode_update_and_maybe_write_cache_batched
 from .ops.logits import SUPPORTED_HEADS
 from .ops.prefill import REQUEST_FIELDS, write_prefill
-from .ops.quant import quantize_queries
+from .ops.quant import quantize_queries, quantize_queries_and_counts
 from .ops.select import expand_pools_and_append_tail, visible_counts
 from .ops.score import paged_pool_topk
 
@@ -544,7 +544,7 @@ def _put_rows(out, rows, idx, total) -> None:
 
 
 def score_and_select_quantized(q8, w, kv_cache, page_table, positions, *, pool_size, select_k, width=None,
-                               max_pools=None, layout=None, fp8_dtype=None) -> torch.Tensor:
+                               max_pools=None, layout=None, fp8_dtype=None, counts=None) -> torch.Tensor:
     """Device part of ``KPoolCache.topk_indices`` for one grid of rows (no host syncs when
     ``KPOOL_CHECK=0`` or under CUDA-graph capture).
 
@@ -559,13 +559,15 @@ def score_and_select_quantized(q8, w, kv_cache, page_table, positions, *, pool_s
     width : output columns (default ``select_k * P + P - 1``).
     max_pools : host int >= every row's visible pools ``(pos + 1) // P`` (default
         ``max_pages * PAGE``); when ``<= select_k`` nothing is scored.
+    counts : ``visible_counts(positions, pool_size)`` when the caller has them already (e.g.
+        from ``quantize_queries_and_counts``), else computed here.
 
     Returns
     -------
     int32 ``[B * n, width]`` rows as ``KPoolCache.topk_indices`` (padding rows all -1).
     """
     batch, n = positions.shape
-    seq, lens = visible_counts(positions, pool_size)  # [B * n] tokens / complete pools each row sees
+    seq, lens = counts or visible_counts(positions, pool_size)  # [B * n] tokens / complete pools each row sees
     lens = lens.view(batch, n)
     if max_pools is None:
         max_pools = page_table.shape[1] * kv_cache.shape[1]
@@ -580,7 +582,8 @@ def score_and_select_quantized(q8, w, kv_cache, page_table, positions, *, pool_s
 
 def score_and_select(q, weights, kv_cache, page_table, positions, *, pool_size, index_topk, width=None,
                      max_pools=None, layout=None, fp8_dtype=None, round_scale=True) -> torch.Tensor:
-    """Query quantization + head-weight folding + ``score_and_select_quantized`` for one grid.
+    """Query quantization + head-weight folding (with the rows' visible counts, one launch:
+    ``quantize_queries_and_counts``) + ``score_and_select_quantized`` for one grid.
 
     ``q`` bf16 ``[B, n, H, 128]`` (unrotated), ``weights`` fp32 ``[B, n, H]`` (raw); the other
     arguments as ``score_and_select_quantized`` (``select_k = index_topk // pool_size``,
@@ -588,8 +591,9 @@ def score_and_select(q, weights, kv_cache, page_table, positions, *, pool_size, 
     step of ``KPoolCache.topk_indices`` runs (used by the scoring benchmarks).
     """
     fp8_dtype = resolve_fp8_dtype(fp8_dtype, q.device)
-    q8, _, w = quantize_queries(q, weights, fp8_dtype=fp8_dtype, round_scale=round_scale)
+    q8, _, w, seq, lens = quantize_queries_and_counts(q, weights, positions, pool_size, fp8_dtype=fp8_dtype,
+                                                      round_scale=round_scale)
     width = index_topk + pool_size - 1 if width is None else width
     return score_and_select_quantized(q8, w, kv_cache, page_table, positions, pool_size=pool_size,
                                       select_k=index_topk // pool_size, width=width, max_pools=max_pools,
-                                      layout=layout, fp8_dtype=fp8_dtype)
+                                      layout=layout, fp8_dtype=fp8_dtype, counts=(seq, lens))

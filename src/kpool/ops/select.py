@@ -161,15 +161,21 @@ def _pooled_write_locs_kernel(pt_ptr, pt_s0, n_pages, ids_ptr, out_ptr, n,
 
 
 @triton.jit
-def _visible_counts_kernel(pos_ptr, out_ptr, n, P: tl.constexpr, BLOCK: tl.constexpr,
-                           PDL: tl.constexpr):
-    _pdl.grid_dependency_sync(PDL)
-    # Grid (cdiv(n, BLOCK),): out[0, i] = max(pos[i] + 1, 0) (tokens row i sees), out[1, i] = that // P.
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    live = i < n
+def store_visible_counts(pos_ptr, out_ptr, n, i, live, P: tl.constexpr):
+    """``out[0, i] = max(pos[i] + 1, 0)`` (tokens row ``i`` sees) and ``out[1, i]`` = that // P
+    (its complete pools) where ``live``; ``out`` int64 ``[2, n]``."""
     seq = tl.maximum(tl.load(pos_ptr + i, mask=live, other=-1).to(tl.int64) + 1, 0)
     tl.store(out_ptr + i, seq, mask=live)
     tl.store(out_ptr + n + i, seq // P, mask=live)
+
+
+@triton.jit
+def _visible_counts_kernel(pos_ptr, out_ptr, n, P: tl.constexpr, BLOCK: tl.constexpr,
+                           PDL: tl.constexpr):
+    _pdl.grid_dependency_sync(PDL)
+    # Grid (cdiv(n, BLOCK),): store_visible_counts of rows [pid * BLOCK, + BLOCK).
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    store_visible_counts(pos_ptr, out_ptr, n, i, i < n, P)
 
 
 # ----------------------------------------------------------------------------------------------
