@@ -49,6 +49,16 @@ def run_case(device, *, batch, next_n, heads, page, pages_per, lens, select_k, f
     assert torch.equal(got, want), f"rows differ: {(got != want).any(1).nonzero().flatten().tolist()}"
     unfused = select_pools(paged_pool_logits(*args, layout=layout), args[3].view(-1), select_k).cpu()
     assert torch.equal(got, unfused)
+    # expanded by the selection's kernels (P 4 or 16; natural width, default or explicit, or 61 more columns)
+    p = 16 if seed % 2 else 4
+    width = [None, select_k * p + p - 1, select_k * p + p + 60][seed % 3]
+    rows = torch.arange(batch * next_n)
+    seq = lens.view(-1).to(torch.int64) * p + (rows * 5) % p
+    seq = torch.where((lens.view(-1) == 0) & (rows % 3 == 0), -1, seq)  # padding rows: no tail
+    tokens = paged_pool_topk(*args, select_k, layout=layout, expand=(seq.to(device), p, width)).cpu()
+    want_tokens = reference.expand_pools_and_append_tail(want, seq, p, width=width)
+    assert tokens.dtype == torch.int32 and tokens.shape == want_tokens.shape
+    assert torch.equal(tokens, want_tokens), f"rows differ: {(tokens != want_tokens).any(1).nonzero().flatten().tolist()}"
     return got, logits
 
 
@@ -107,6 +117,17 @@ def test_validation(backend, device):
         paged_pool_topk(q[..., :64], kv, w, lens, pt, 4)
     with pytest.raises(ValueError, match="page_table"):
         paged_pool_topk(q, kv, w, lens, torch.tensor([[0, 5]], dtype=torch.int32, device=device), 4)
+    seq = torch.tensor([43], device=device)
+    with pytest.raises(TypeError, match="expand"):
+        paged_pool_topk(q, kv, w, lens, pt, 4, expand=[seq, 4, None])
+    with pytest.raises(ValueError, match="seq_lens"):
+        paged_pool_topk(q, kv, w, lens, pt, 4, expand=(seq.repeat(2), 4, None))
+    with pytest.raises(TypeError, match="seq_lens"):
+        paged_pool_topk(q, kv, w, lens, pt, 4, expand=(seq.float(), 4, None))
+    with pytest.raises(ValueError, match="pool_size"):
+        paged_pool_topk(q, kv, w, lens, pt, 4, expand=(seq, 0, None))
+    with pytest.raises(ValueError, match="width"):
+        paged_pool_topk(q, kv, w, lens, pt, 4, expand=(seq, 4, 18))
 
 
 @pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e4m3fnuz])
@@ -197,7 +218,7 @@ def test_filter_selects_exactly(device, heads, fp8_dtype, layout, monkeypatch, f
     used = filter_choices
     run_case(device, heads=heads, fp8_dtype=fp8_dtype, layout=layout, seed=heads, bad_page=True, duplicate=True,
              nan_codes=True, **FILTER_CASE)
-    assert used == [True]
+    assert used == [True] * 2  # ids, then tokens
 
 
 def test_filter_bounds_hold_under_the_whole_error_budget(device, monkeypatch, filter_choices):
@@ -212,7 +233,7 @@ def test_filter_bounds_hold_under_the_whole_error_budget(device, monkeypatch, fi
     used = filter_choices
     for seed in (21, 22):
         run_case(device, heads=16, fp8_dtype=FP8[0], seed=seed, **FILTER_CASE)
-    assert used == [True, True]
+    assert used == [True] * 4  # two cases, ids and tokens each
 
 
 @pytest.mark.parametrize("heads_in", ["registers", "streamed", "wide leaves"])
@@ -248,7 +269,7 @@ def test_filter_survivors_reach_the_union_of_the_leaf_heads(device, monkeypatch,
     exact = reference.pool_order_keys(logits)
     cand, count, surv, chunk, lens, n_cols, select_k, filtered = seen[0]  # the fused scorer's, not the check's
     wide = heads_in == "wide leaves"  # wide_plan asks score.filters too
-    assert filtered and filter_choices == [True] * (1 + wide) and chunk == 128 * (1 + wide)
+    assert filtered and filter_choices == [True] * 2 * (1 + wide) and chunk == 128 * (1 + wide)  # ids, tokens
     head, no_upper, no_key = (int(getattr(c, "value", c)) for c in (topk.HEAD, topk.NO_UPPER, topk.NO_KEY))
     codes = cand.view(torch.int32)[..., 2 * head: 2 * head + chunk].to(torch.int64)  # [rows, lists, chunk]
     ids = torch.arange(codes.shape[1] * chunk).view(codes.shape[1], chunk)
@@ -303,7 +324,7 @@ def test_scorer_switch(device, monkeypatch, filter_choices):
     run_case(device, heads=16, fp8_dtype=FP8[0], seed=22, **FILTER_CASE)
     monkeypatch.setenv(score.SCORER_ENV, "exact")
     run_case(device, heads=16, fp8_dtype=FP8[0], seed=22, **FILTER_CASE)
-    assert used == [True, False]
+    assert used == [True, True, False, False]  # ids and tokens of each
     monkeypatch.setenv(score.SCORER_ENV, "fast")
     with pytest.raises(ValueError, match=score.SCORER_ENV):
         score.scorer()

@@ -116,9 +116,9 @@ def test_survivor_bound_is_tight(device, select_k, monkeypatch):
     seen = {}
     real = topk.threshold_select
 
-    def spy(cand, count, chunk, lens, n_cols, k, out, refine=None):
+    def spy(cand, count, chunk, lens, n_cols, k, out, refine=None, expand=None):
         seen.update(cand=cand.clone(), chunk=chunk, lens=lens, n_cols=n_cols)
-        real(cand, count, chunk, lens, n_cols, k, out, refine)
+        real(cand, count, chunk, lens, n_cols, k, out, refine, expand)
 
     monkeypatch.setattr(topk, "threshold_select", spy)
     g = torch.Generator().manual_seed(7 + select_k)

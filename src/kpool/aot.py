@@ -296,7 +296,7 @@ def _select_specs(m):
             ptrs=dict(src_ptr="i32", seq_ptr="i32", plen_ptr="i32", out_ptr="i32", map_ptr="i32"),
             cross=(pool_axis(), maps),
             cycle=(axis("BLOCK_COLS", (64, m.TILE_ELEMS)), int_ptr_axis("seq_ptr", "plen_ptr", "map_ptr")),
-            derive=lambda c: dict(TAIL_BLOCK=m._tail_block(c["P"] - 1)),  # n_tail = P - 1
+            derive=lambda c: dict(TAIL_BLOCK=m.tail_block(c["P"] - 1)),  # n_tail = P - 1
             fixed=dict(ROWS=m.ROWS_PER_PROG)),
         "_pooled_page_table_kernel": KernelSpec(
             ptrs=dict(src_ptr="i32", out_ptr="i32"),
@@ -313,6 +313,15 @@ def _select_specs(m):
 
 
 _KBS = (128, 512)  # KB = next_pow2(select_k) for select_k = index_topk // P = 2048 // {16, 4}
+
+
+def _expand_axis():
+    """``topk.expansion_args``: pool ids (P 1), or tokens with the tail of natural width (P - 1
+    columns) or of one rounded up to a multiple of 128 (the largest ``TAIL_BLOCK``)."""
+    from .ops.select import TAIL_MAX_BLOCK, tail_block
+    ids = [dict(P=1, PB=1, TAIL=False, TAIL_BLOCK=1)]
+    return ids + [dict(P=p, PB=p, TAIL=True, TAIL_BLOCK=tb) for p in _pool_sizes()
+                  for tb in (tail_block(p - 1), TAIL_MAX_BLOCK)]
 
 
 def _kb_axis():
@@ -366,8 +375,9 @@ def _topk_specs(m):
             derive=lambda c: dict(zip(("BLOCK", "RESIDENT"), m.union_block(c["LB"]))),
             fixed=dict(BITS=m.RADIX_BITS), options=dict(num_warps=m.SELECT_WARPS)),
         "_threshold_select_kernel": KernelSpec(
-            ptrs=dict(surv_ptr="i64", count_ptr="i32", lens_ptr="i32", out_ptr="i32"),
-            cross=(_kb_axis(),), cycle=(int_ptr_axis("lens_ptr"), axis("lens_stride", (1, "i32"))),
+            ptrs=dict(surv_ptr="i64", count_ptr="i32", lens_ptr="i32", out_ptr="i32", seq_ptr="i64"),
+            cross=(_kb_axis(),), cycle=(int_ptr_axis("lens_ptr", "seq_ptr"), axis("lens_stride", (1, "i32")),
+                                        _expand_axis()),
             fixed=dict(BLOCK=m.SELECT_BLOCK, BITS=m.RADIX_BITS, SLICE=m.RANK_SLICE, RANK_BLOCK=m.RANK_BLOCK),
             options=dict(num_warps=m.SELECT_WARPS)),
     }
@@ -387,12 +397,12 @@ def _score_specs(m):
     options = dict(enable_fp_fusion=False, num_warps=m.NUM_WARPS, maxnreg=m.MAX_REGS)
     return {"_paged_topk_kernel": KernelSpec(
         ptrs=dict(q_ptr="u8", w_ptr="fp32", lens_ptr="i64", pt_ptr="i32", kv_ptr="u8", kv_f32_ptr="fp32",
-                  cand_ptr="i64", count_ptr="i32", out_ptr="i32", lut_ptr="i32"),
+                  cand_ptr="i64", count_ptr="i32", out_ptr="i32", lut_ptr="i32", seq_ptr="i64"),
         cross=(layout_axis(), fp8_axis("FP8_MAX", "FNUZ"), axis("H", SUPPORTED_HEADS)),
         # _filter has period 3 against ROWS' 2: filtering leaves of one and of two rows
         cycle=(_leaf_axis(m.BLOCK_POOLS, "_chunk"), flag("FINAL"), _PAGE, axis("next_n", (1, "i32")),
                axis("ROWS", (1, m.MAX_ROWS)), axis("_filter", (True, False, False)),
-               int_ptr_axis("lens_ptr", "pt_ptr")),
+               int_ptr_axis("lens_ptr", "pt_ptr", "seq_ptr"), _expand_axis()),
         derive=lambda c: _filter_derive(m, c),
         fixed=dict(BN=m.BLOCK_POOLS, ERROR=m.FILTER_ERROR, SHAKE=m.FILTER_SHAKE), target_derive=native_fp8_param,
         options=options),

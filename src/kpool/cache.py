@@ -571,12 +571,11 @@ def score_and_select_quantized(q8, w, kv_cache, page_table, positions, *, pool_s
     lens = lens.view(batch, n)
     if max_pools is None:
         max_pools = page_table.shape[1] * kv_cache.shape[1]
-    if max_pools <= select_k:
-        cols = torch.arange(select_k, dtype=torch.int64, device=seq.device)
-        ids = torch.where(cols < lens.reshape(-1, 1), cols, -1).to(torch.int32)
-    else:
-        ids = paged_pool_topk(q8, kv_cache, w, lens, page_table, select_k, layout=layout, fp8_dtype=fp8_dtype,
-                              max_pools=max_pools)
+    if max_pools > select_k:  # the selection's kernels write the tokens and tails
+        return paged_pool_topk(q8, kv_cache, w, lens, page_table, select_k, layout=layout, fp8_dtype=fp8_dtype,
+                               max_pools=max_pools, expand=(seq, pool_size, width))
+    cols = torch.arange(select_k, dtype=torch.int64, device=seq.device)
+    ids = torch.where(cols < lens.reshape(-1, 1), cols, -1).to(torch.int32)
     return expand_pools_and_append_tail(ids, seq, pool_size, width=width)
 
 

@@ -44,7 +44,7 @@ import triton.language as tl
 
 from .. import reference
 from .._backend import backend_for, pdl_launch, register_cap
-from .._checks import check_positive_int
+from .._checks import INT_DTYPES, check_pool_size, check_positive_int, check_tensor
 from ..layout import fp8_max
 from . import _pdl, topk
 from ._jit_fp8 import halves_table
@@ -84,14 +84,17 @@ MAX_ROWS = 2  # query rows of one request per program (H200, verify 32 x 128K x 
 def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_ptr, lens_stride,
                        pt_ptr, pt_sb, pt_sp, kv_ptr, kv_f32_ptr, page_stride, num_pages,
                        cand_ptr, count_ptr, out_ptr, out_stride, vis_limit, next_n, select_k, n_chunks, lut_ptr,
+                       seq_ptr, seq_stride, n_tail,
                        PAGE: tl.constexpr, BN: tl.constexpr, NT: tl.constexpr, KB: tl.constexpr, H: tl.constexpr,
                        ROWS: tl.constexpr, PRESHUFFLE: tl.constexpr, FINAL: tl.constexpr, FNUZ: tl.constexpr,
                        NATIVE_FP8: tl.constexpr, FILTER: tl.constexpr, FP8_MAX: tl.constexpr, ERROR: tl.constexpr,
-                       SHAKE: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+                       SHAKE: tl.constexpr, STAGES: tl.constexpr, P: tl.constexpr, PB: tl.constexpr,
+                       TAIL: tl.constexpr, TAIL_BLOCK: tl.constexpr, PDL: tl.constexpr):
     _pdl.grid_dependency_sync(PDL)
     # Program (group, chunk): rows b * next_n + t for t in [t0, t0 + ROWS) of one request b
     # (same page table), pools [chunk * NT * BN, (chunk + 1) * NT * BN): each key tile is
-    # decoded once and scored for all ROWS rows; each row keeps its KB best ranking keys.
+    # decoded once and scored for all ROWS rows; each row keeps its KB best ranking keys. With
+    # FINAL (one leaf per row) the rows' ids, or tokens and tails (topk.expansion_args).
     groups = tl.cdiv(next_n, ROWS)
     b = (tl.program_id(0) // groups).to(tl.int64)
     t0 = (tl.program_id(0) % groups).to(tl.int64) * ROWS
@@ -163,12 +166,18 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
                 else:
                     mine = tl.max(tl.where(rr[None, None, :] == r, keys, topk.NO_KEY), axis=2)  # [NT, BN]
                     topk.store_leaf(tl.reshape(mine, (NT * BN,)), lst, out_ptr + row * out_stride, n_row, select_k,
-                                    NT * BN, KB, FINAL)
+                                    NT * BN, KB, FINAL, P, PB)
     elif FINAL:
         for r in tl.static_range(ROWS):
             if t0 + r < next_n:
                 topk.emit_in_order(out_ptr + (b * next_n + t0 + r) * out_stride,
-                                   tl.max(tl.where(rr == r, n_vis, 0)), select_k, KB)
+                                   tl.max(tl.where(rr == r, n_vis, 0)), select_k, KB, P, PB)
+    if FINAL:
+        for r in tl.static_range(ROWS):
+            if t0 + r < next_n:
+                row = b * next_n + t0 + r
+                topk.store_tail(out_ptr + row * out_stride, seq_ptr, row * seq_stride, select_k, n_tail, P, TAIL,
+                                TAIL_BLOCK)
 
 
 @triton.jit
@@ -271,8 +280,24 @@ def launch_options(device, filtered: bool = False, rows: int = 1, heads: int = 3
                 **register_cap(device, max_regs(filtered, rows, heads)))
 
 
+def _check_expand(expand, rows: int, select_k: int, device):
+    """``expand = (seq_lens, pool_size, width)`` of ``paged_pool_topk``; returns it with ``width``
+    resolved (None: ``select_k * P + P - 1``)."""
+    if not (isinstance(expand, tuple) and len(expand) == 3):
+        raise TypeError(f"expand must be a tuple (seq_lens, pool_size, width), got {type(expand).__name__}")
+    seq_lens, pool_size, width = expand
+    check_tensor("seq_lens", seq_lens, dtype=INT_DTYPES, shape=(rows,), device=device)
+    check_pool_size(pool_size)
+    natural = select_k * pool_size + pool_size - 1
+    width = natural if width is None else width
+    check_positive_int("width", width)
+    if width < natural:
+        raise ValueError(f"width must be >= select_k*pool_size + pool_size - 1 = {natural}, got {width}")
+    return seq_lens, pool_size, width
+
+
 def paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, *, layout=None, fp8_dtype=None,
-                    max_pools=None):
+                    max_pools=None, expand=None):
     """Score every visible pool of each decode / verify row and select the best, fused.
 
     Parameters
@@ -281,12 +306,17 @@ def paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, *
         ``paged_pool_logits`` (``q_fp8 [B, next_n, H, 128]``, ``weights [B, next_n, H]``
         fp32 folded, ``pool_lens [B, next_n]``, ``page_table [B, max_pages]``).
     select_k : positive int, pools to pick per row (``index_topk // P``).
+    expand : optional ``(seq_lens, pool_size, width)``: return the selection expanded to tokens
+        with each row's tail appended, as ``expand_pools_and_append_tail(ids, seq_lens,
+        pool_size, width=width)`` (``seq_lens`` int ``[B * next_n]``, ``width`` None for
+        ``select_k * P + P - 1``), written by the selection's own kernels.
 
     Returns
     -------
     int32 ``[B * next_n, select_k]``: ``select_pools(paged_pool_logits(...), pool_lens,
     select_k)`` (highest score first, ties to the lower id, NaN last; every visible pool in
-    order when there are at most ``select_k``; -1 padding), computed without a logits row.
+    order when there are at most ``select_k``; -1 padding), computed without a logits row;
+    with ``expand``, int32 ``[B * next_n, width]`` tokens.
     """
     fp8_dtype, layout, max_pools, limit = check_paged_args(q_fp8, kv_cache, weights, pool_lens, page_table, layout,
                                                            fp8_dtype, max_pools)
@@ -295,11 +325,17 @@ def paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, *
     batch, next_n, heads = q_fp8.shape[:3]
     rows = batch * next_n
     lens = pool_lens.reshape(rows)
+    if expand is not None:
+        expand = _check_expand(expand, rows, select_k, device)
     if backend_for(device) == "torch":
         logits = reference.paged_pool_logits(q_fp8.view(torch.uint8), kv_cache, weights, pool_lens, page_table,
                                              layout, fp8_dtype, max_pools)
-        return reference.select_pools(logits, lens, select_k)
-    out = torch.empty((rows, select_k), dtype=torch.int32, device=device)
+        ids = reference.select_pools(logits, lens, select_k)
+        if expand is None:
+            return ids
+        seq_lens, pool_size, width = expand
+        return reference.expand_pools_and_append_tail(ids, seq_lens, pool_size, width=width)
+    out = torch.empty((rows, select_k if expand is None else expand[2]), dtype=torch.int32, device=device)
     if rows == 0:
         return out
     q8 = q_fp8.view(torch.uint8)
@@ -315,7 +351,7 @@ def paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, *
             PAGE=kv_cache.shape[1], BN=BLOCK_POOLS, NT=chunk // BLOCK_POOLS, KB=kb, H=heads, ROWS=rows_per_prog,
             PRESHUFFLE=layout == "preshuffle", FINAL=final, **decode_args(fp8_dtype, device),
             FILTER=filtered, FP8_MAX=fp8_max(fp8_dtype), ERROR=FILTER_ERROR, SHAKE=FILTER_SHAKE,
-            STAGES=pipeline_stages(filtered),
+            STAGES=pipeline_stages(filtered), **topk.expansion_args(expand, select_k, lens),
             **launch_options(device, filtered, rows_per_prog, heads), **pdl_launch(device),
         )
         return filtered
@@ -331,5 +367,5 @@ def paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, *
         )
 
     topk.select_by_leaves(out, lens, limit, select_k, launch_leaves, BLOCK_POOLS, refine,
-                          plan=wide_plan(rows, limit, select_k, device))
+                          plan=wide_plan(rows, limit, select_k, device), expand=expand)
     return out

@@ -52,7 +52,7 @@ def _map_tokens(tok, valid, row, map_ptr, map_s0, map_s1, map_cols, MAP: tl.cons
 
 
 @triton.jit
-def _store_tail(out_row_ptr, row, row_ok, start, count, n_tail, map_ptr, map_s0, map_s1, map_cols,
+def store_tail(out_row_ptr, row, row_ok, start, count, n_tail, map_ptr, map_s0, map_s1, map_cols,
                 P: tl.constexpr, TAIL_BLOCK: tl.constexpr, MAP: tl.constexpr):
     """Write the ``n_tail`` columns after a row's history: tail token ``start + j`` for
     ``j < min(count, P - 1)`` (mapped), -1 elsewhere (the padding up to the output width).
@@ -104,7 +104,7 @@ def _expand_pools_kernel(ids_ptr, ids_s0, valid_ptr, valid_s0, seq_ptr, seq_s0, 
             if pid_c == 0:
                 seq = tl.maximum(tl.load(seq_ptr + row * seq_s0, mask=row_ok, other=0).to(tl.int64), 0)
                 start = (seq // P) * P
-                _store_tail(out_ptr + row * out_s0 + n_pools * P, row, row_ok, start, seq - start, n_tail,
+                store_tail(out_ptr + row * out_s0 + n_pools * P, row, row_ok, start, seq - start, n_tail,
                             map_ptr, map_s0, map_s1, map_cols, P, TAIL_BLOCK, MAP)
 
 
@@ -129,7 +129,7 @@ def _append_tail_kernel(src_ptr, src_s0, seq_ptr, seq_s0, plen_ptr, plen_s0, out
         if pid_c == 0:
             seq = tl.maximum(tl.load(seq_ptr + row * seq_s0, mask=row_ok, other=0).to(tl.int64), 0)
             start = tl.maximum(tl.load(plen_ptr + row * plen_s0, mask=row_ok, other=0).to(tl.int64), 0) * P
-            _store_tail(out_ptr + row * out_s0 + n_cols, row, row_ok, start, seq - start, n_tail,
+            store_tail(out_ptr + row * out_s0 + n_cols, row, row_ok, start, seq - start, n_tail,
                         map_ptr, map_s0, map_s1, map_cols, P, TAIL_BLOCK, MAP)
 
 
@@ -218,7 +218,8 @@ def _map_args(page_table, topk_offsets, fallback):
     return MAP_NONE, fallback, 0, 0, 1
 
 
-def _tail_block(n_tail):
+def tail_block(n_tail):
+    """``TAIL_BLOCK`` of ``store_tail`` for ``n_tail`` columns after the history."""
     return min(triton.next_power_of_2(max(n_tail, 1)), TAIL_MAX_BLOCK)
 
 
@@ -240,7 +241,7 @@ def launch_expand_pools(ids, valid, seq_lens, out, pool_size, page_table=None, t
         ids, ids.stride(0), valid if valid is not None else ids, valid.stride(0) if valid is not None else 0,
         seq_lens if seq_lens is not None else ids, seq_lens.stride(0) if seq_lens is not None else 0, out, out.stride(0),
         mptr, ms0, ms1, mcols, rows, n_pools, n_tail,
-        P=pool_size, PB=pb, BLOCK_POOLS=block_pools, ROWS=ROWS_PER_PROG, TAIL_BLOCK=_tail_block(n_tail),
+        P=pool_size, PB=pb, BLOCK_POOLS=block_pools, ROWS=ROWS_PER_PROG, TAIL_BLOCK=tail_block(n_tail),
         HAS_VALID=valid is not None, HAS_TAIL=seq_lens is not None, MAP=mode, num_warps=EXPAND_WARPS,
         **pdl_launch(out.device),
     )
@@ -360,7 +361,7 @@ def append_tail_to_topk(topk_result, seq_lens, pool_lens, pool_size, page_table=
     _append_tail_kernel[grid](
         src, src.stride(0), seq_lens, seq_lens.stride(0), pool_lens, pool_lens.stride(0), out, out.stride(0),
         mptr, ms0, ms1, mcols, rows, n_cols, n_tail,
-        P=pool_size, BLOCK_COLS=block_cols, ROWS=ROWS_PER_PROG, TAIL_BLOCK=_tail_block(n_tail), MAP=mode,
+        P=pool_size, BLOCK_COLS=block_cols, ROWS=ROWS_PER_PROG, TAIL_BLOCK=tail_block(n_tail), MAP=mode,
         **pdl_launch(device),
     )
     return out

@@ -60,7 +60,7 @@ import triton.language as tl
 from .. import reference
 from .._backend import backend_for, interpreting, pdl_launch
 from .._checks import INT_DTYPES, check_positive_int, check_tensor, range_checks_enabled
-from . import _pdl
+from . import _pdl, select
 
 LEAF_BASE = 512  # leaves of up to max(KB, LEAF_BASE) pools (H200: 32 x 128K 329 -> 296 us vs 1,024) ...
 MIN_CHUNK = 128  # ... and at least this many (smaller leaves keep all their keys, sorted)
@@ -123,19 +123,47 @@ def visible_pools(lens_ptr, off, n_cols):
 
 
 @triton.jit
-def emit_selection(out_ptr, keys, n_vis, select_k, KB: tl.constexpr):
-    """Write ``select_k`` int32 pool ids of one row at ``out_ptr`` from its ``KB`` best keys
-    (sorted, descending), or ``0 .. n_vis-1`` when ``n_vis <= select_k``; -1 padding."""
-    c = tl.arange(0, KB)
-    ids = tl.where(keys == NO_KEY, -1, key_ids(keys))
-    ids = tl.where(n_vis <= select_k, tl.where(c < n_vis, c, -1), ids)
-    tl.store(out_ptr + c, ids.to(tl.int32), mask=c < select_k)
+def store_ids(out_row, cols, ids, mask, P: tl.constexpr, PB: tl.constexpr):
+    """Pool ids ``ids`` (int64 ``[N]``, -1 = none) of selection columns ``cols [N]`` where
+    ``mask``: as int32 ids at ``out_row + cols`` (``P == 1``), or expanded to their tokens
+    ``id * P + o`` at columns ``col * P + o`` (``o < P``; -1 for a missing id): the history
+    part of ``select.expand_pools_and_append_tail`` (``PB = next_pow2(P)``)."""
+    if P == 1:
+        tl.store(out_row + cols, ids.to(tl.int32), mask=mask)
+    else:
+        o = tl.arange(0, PB)[None, :]
+        tok = tl.where(ids[:, None] >= 0, ids[:, None] * P + o, -1)
+        tl.store(out_row + cols[:, None] * P + o, tok.to(tl.int32), mask=mask[:, None] & (o < P))
 
 
 @triton.jit
-def emit_in_order(out_ptr, n_vis, select_k, KB: tl.constexpr):
+def store_tail(out_row, seq_ptr, seq_off, select_k, n_tail, P: tl.constexpr, TAIL: tl.constexpr,
+               TAIL_BLOCK: tl.constexpr):
+    """With ``TAIL`` (an expanded selection): the ``n_tail`` columns after the row's
+    ``select_k * P`` tokens, its tail tokens ``[seq // P * P, seq)`` then -1 padding
+    (``select.store_tail``; ``seq``: the row's token count at ``seq_ptr + seq_off``, negative = 0)."""
+    if TAIL:
+        seq = tl.maximum(tl.load(seq_ptr + seq_off).to(tl.int64), 0)
+        start = seq // P * P
+        select.store_tail(out_row + select_k * P, seq_off, seq >= 0, start, seq - start, n_tail, seq_ptr, 0, 0, 1,
+                          P, TAIL_BLOCK, 0)
+
+
+@triton.jit
+def emit_selection(out_ptr, keys, n_vis, select_k, KB: tl.constexpr, P: tl.constexpr = 1, PB: tl.constexpr = 1):
+    """Write ``select_k`` pool ids of one row at ``out_ptr`` (``store_ids``: as ids, or expanded
+    to tokens) from its ``KB`` best keys (sorted, descending), or ``0 .. n_vis-1`` when
+    ``n_vis <= select_k``; -1 padding."""
+    c = tl.arange(0, KB)
+    ids = tl.where(keys == NO_KEY, -1, key_ids(keys))
+    ids = tl.where(n_vis <= select_k, tl.where(c < n_vis, c, -1), ids)
+    store_ids(out_ptr, c, ids, c < select_k, P, PB)
+
+
+@triton.jit
+def emit_in_order(out_ptr, n_vis, select_k, KB: tl.constexpr, P: tl.constexpr = 1, PB: tl.constexpr = 1):
     """``emit_selection`` of a row with no keys (``n_vis <= select_k``): ``0 .. n_vis-1``, -1 padding."""
-    emit_selection(out_ptr, tl.full((KB,), NO_KEY, tl.int64), n_vis, select_k, KB)
+    emit_selection(out_ptr, tl.full((KB,), NO_KEY, tl.int64), n_vis, select_k, KB, P, PB)
 
 
 @triton.jit
@@ -168,7 +196,7 @@ def leaf_list(cand_ptr, index, CHUNK: tl.constexpr, KB: tl.constexpr):
 
 @triton.jit
 def store_leaf(keys, cand_ptr, out_ptr, n_vis, select_k, CHUNK: tl.constexpr, KB: tl.constexpr,
-               FINAL: tl.constexpr):
+               FINAL: tl.constexpr, P: tl.constexpr = 1, PB: tl.constexpr = 1):
     """A leaf's keys ``[CHUNK]``: with ``FINAL`` (the row's only leaf) its ids to ``out_ptr``
     (sorted, ``emit_selection``), else its list of ``HEAD + min(CHUNK, KB)`` keys to
     ``cand_ptr`` (module docstring, 1.)."""
@@ -178,7 +206,7 @@ def store_leaf(keys, cand_ptr, out_ptr, n_vis, select_k, CHUNK: tl.constexpr, KB
         else:
             pad = tl.arange(0, KB // CHUNK)[:, None] == 0
             top = tl.reshape(tl.where(pad, tl.sort(keys, descending=True)[None, :], NO_KEY), (KB,))
-        emit_selection(out_ptr, top, n_vis, select_k, KB)
+        emit_selection(out_ptr, top, n_vis, select_k, KB, P, PB)
     elif CHUNK > KB:
         tl.store(cand_ptr + HEAD + tl.arange(0, KB), tl.topk(keys, KB))
     elif CHUNK < HEAD:
@@ -453,10 +481,11 @@ def _min_max(a_lo, a_top, b_lo, b_top):
 
 
 @triton.jit
-def _rank_write(base, cnt, out_row, select_k, SLICE: tl.constexpr, BLOCK: tl.constexpr):
+def _rank_write(base, cnt, out_row, select_k, SLICE: tl.constexpr, BLOCK: tl.constexpr, P: tl.constexpr,
+                PB: tl.constexpr):
     """Of the ``cnt`` unique keys ``base[0:cnt]``: every key whose rank (the count of larger
-    keys) is below ``select_k`` writes its pool id to column ``rank`` of ``out_row``, i.e. the
-    ``select_k`` best, sorted. Program ``g`` of ``G`` (axis 1) ranks keys ``[s, s + SLICE)``
+    keys) is below ``select_k`` writes its pool id to column ``rank`` of ``out_row``
+    (``store_ids``), i.e. the ``select_k`` best, sorted. Program ``g`` of ``G`` (axis 1) ranks keys ``[s, s + SLICE)``
     for ``s = g * SLICE, (g + G) * SLICE, ...`` against all ``cnt``, ``BLOCK`` at a time."""
     g, n_prog = tl.program_id(1), tl.num_programs(1)
     for s in range(g * SLICE, cnt, n_prog * SLICE):
@@ -472,11 +501,12 @@ def _rank_write(base, cnt, out_row, select_k, SLICE: tl.constexpr, BLOCK: tl.con
             above += (other[None, :] > mine[:, None]).to(tl.int32)
             other = nxt
         rank = tl.sum(above, axis=1)
-        tl.store(out_row + rank, key_ids(mine).to(tl.int32), mask=(i < cnt) & (rank < select_k))
+        store_ids(out_row, rank, key_ids(mine), (i < cnt) & (rank < select_k), P, PB)
 
 
 @triton.jit
-def _radix_select(base, cnt, out_row, n_vis, select_k, KB: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr):
+def _radix_select(base, cnt, out_row, n_vis, select_k, KB: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr,
+                  P: tl.constexpr, PB: tl.constexpr):
     """The ``select_k`` best of the ``cnt >= select_k`` unique keys ``base[0:cnt]``, sorted, as
     pool ids in ``out_row``: min / max, radix passes to the ``select_k``-th, compaction of the
     keys at or above it (``base`` is overwritten), a sort of those."""
@@ -492,18 +522,20 @@ def _radix_select(base, cnt, out_row, n_vis, select_k, KB: tl.constexpr, BLOCK: 
     _compact(base, cnt, kth.to(tl.int64, bitcast=True), BLOCK)  # exactly select_k keys left in front
     c = tl.arange(0, KB)
     keys = tl.load(base + c, mask=c < select_k, other=NO_KEY)
-    emit_selection(out_row, tl.sort(keys, descending=True), n_vis, select_k, KB)
+    emit_selection(out_row, tl.sort(keys, descending=True), n_vis, select_k, KB, P, PB)
 
 
 @triton.jit
 def _threshold_select_kernel(surv_ptr, n_surv, count_ptr, lens_ptr, lens_stride, n_cols, out_ptr, out_stride,
-                             select_k, rank_limit, KB: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr,
-                             SLICE: tl.constexpr, RANK_BLOCK: tl.constexpr,
+                             select_k, rank_limit, seq_ptr, seq_stride, n_tail, KB: tl.constexpr,
+                             BLOCK: tl.constexpr, BITS: tl.constexpr, SLICE: tl.constexpr, RANK_BLOCK: tl.constexpr,
+                             P: tl.constexpr, PB: tl.constexpr, TAIL: tl.constexpr, TAIL_BLOCK: tl.constexpr,
                              PDL: tl.constexpr):
     _pdl.grid_dependency_sync(PDL)
     # Program (row, g): the select_k best of the row's count[row] survivors surv[row, :] (module
     # docstring, step 2): ranked by every program of the row when there are at most rank_limit,
-    # else by program 0's radix passes (the survivors are overwritten).
+    # else by program 0's radix passes (the survivors are overwritten). Ids, or tokens and the
+    # tail (expansion_args; program 0).
     row = tl.program_id(0).to(tl.int64)
     n_vis = visible_pools(lens_ptr, row * lens_stride, n_cols)
     out_row = out_ptr + row * out_stride
@@ -511,11 +543,13 @@ def _threshold_select_kernel(surv_ptr, n_surv, count_ptr, lens_ptr, lens_stride,
         base = surv_ptr + row * n_surv
         cnt = tl.load(count_ptr + row)
         if cnt <= rank_limit:
-            _rank_write(base, cnt, out_row, select_k, SLICE, RANK_BLOCK)
+            _rank_write(base, cnt, out_row, select_k, SLICE, RANK_BLOCK, P, PB)
         elif tl.program_id(1) == 0:
-            _radix_select(base, cnt, out_row, n_vis, select_k, KB, BLOCK, BITS)
+            _radix_select(base, cnt, out_row, n_vis, select_k, KB, BLOCK, BITS, P, PB)
     elif tl.program_id(1) == 0:
-        emit_in_order(out_row, n_vis, select_k, KB)
+        emit_in_order(out_row, n_vis, select_k, KB, P, PB)
+    if tl.program_id(1) == 0:
+        store_tail(out_row, seq_ptr, row * seq_stride, select_k, n_tail, P, TAIL, TAIL_BLOCK)
 
 
 def key_block(select_k: int) -> int:
@@ -551,10 +585,24 @@ def list_size(chunk: int, kb: int) -> int:
     return MIN_KB + min(chunk, kb)  # HEAD as a Python int
 
 
+def expansion_args(expand, select_k: int, dummy) -> dict:
+    """Keyword arguments of the kernels that write a selection (``seq_ptr``, ``seq_stride``,
+    ``n_tail``, ``P``, ``PB``, ``TAIL``, ``TAIL_BLOCK``): pool ids when ``expand`` is None, else
+    for ``expand = (seq_lens [rows], P, width)`` (validated by the caller) each row's
+    ``select.expand_pools_and_append_tail(ids, seq_lens, P, width=width)``, written in place of
+    the ids (``store_ids``, ``store_tail``). ``dummy``: any tensor, the unused ``seq_ptr``."""
+    if expand is None:
+        return dict(seq_ptr=dummy, seq_stride=0, n_tail=0, P=1, PB=1, TAIL=False, TAIL_BLOCK=1)
+    seq_lens, pool_size, width = expand
+    n_tail = width - select_k * pool_size
+    return dict(seq_ptr=seq_lens, seq_stride=seq_lens.stride(0), n_tail=n_tail, P=pool_size,
+                PB=triton.next_power_of_2(pool_size), TAIL=True, TAIL_BLOCK=select.tail_block(n_tail))
+
+
 def select_by_leaves(out, lens, n_cols, select_k, launch_leaves, granule: int = 1, refine=None,
-                     plan=None) -> None:
-    """Each row's selection into ``out [rows, select_k]`` int32: leaves, then (several leaves
-    per row) ``threshold_select``.
+                     plan=None, expand=None) -> None:
+    """Each row's selection into ``out [rows, select_k]`` int32 (``[rows, width]`` tokens with
+    ``expand``: ``expansion_args``): leaves, then (several leaves per row) ``threshold_select``.
 
     ``launch_leaves(cand, count, CHUNK, n_chunks, KB, FINAL)`` launches the leaf kernel on the
     grid ``(rows, n_chunks)``; with ``FINAL`` (one leaf per row) ``cand`` and ``count`` are
@@ -575,7 +623,7 @@ def select_by_leaves(out, lens, n_cols, select_k, launch_leaves, granule: int = 
     cand = torch.empty((rows, n_chunks, list_size(chunk, kb)), dtype=torch.int64, device=out.device)
     count = torch.empty((rows,), dtype=torch.int32, device=out.device)
     filtered = bool(launch_leaves(cand, count, chunk, n_chunks, kb, final))
-    threshold_select(cand, count, chunk, lens, n_cols, select_k, out, refine if filtered else None)
+    threshold_select(cand, count, chunk, lens, n_cols, select_k, out, refine if filtered else None, expand)
 
 
 def survivor_block(chunk: int, kb: int, filtered: bool = False) -> tuple:
@@ -636,9 +684,9 @@ def rank_programs(rows: int, limit: int, device) -> int:
     return min(slices, max(1, RANK_PROGRAMS_PER_SM * sms // rows) if sms else 2)
 
 
-def threshold_select(cand, count, chunk, lens, n_cols, select_k, out, refine=None) -> None:
+def threshold_select(cand, count, chunk, lens, n_cols, select_k, out, refine=None, expand=None) -> None:
     """``cand``, ``count`` as in ``survivors`` (``n_lists >= 2``) -> each row's selection in
-    ``out [rows, select_k]`` int32; ``refine``: see ``select_by_leaves``."""
+    ``out [rows, select_k]`` int32; ``refine``, ``expand``: see ``select_by_leaves``."""
     surv = survivors(cand, count, chunk, lens, n_cols, select_k, refine is not None)
     if refine is not None:
         refine(surv, count)
@@ -647,7 +695,7 @@ def threshold_select(cand, count, chunk, lens, n_cols, select_k, out, refine=Non
     _threshold_select_kernel[(rows, rank_programs(rows, limit, out.device))](
         surv, surv.shape[1], count, lens, lens.stride(0), n_cols, out, out.stride(0), select_k, limit,
         KB=key_block(select_k), BLOCK=SELECT_BLOCK, BITS=RADIX_BITS, SLICE=RANK_SLICE, RANK_BLOCK=RANK_BLOCK,
-        num_warps=SELECT_WARPS, **pdl_launch(out.device),
+        **expansion_args(expand, select_k, lens), num_warps=SELECT_WARPS, **pdl_launch(out.device),
     )
 
 
