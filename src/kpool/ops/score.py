@@ -44,9 +44,9 @@ import triton.language as tl
 
 from .. import reference
 from .._backend import backend_for, pdl_launch, register_cap
-from .._checks import INT_DTYPES, check_pool_size, check_positive_int, check_tensor
+from .._checks import check_positive_int
 from ..layout import fp8_max
-from . import _pdl, topk
+from . import _pdl, select, topk
 from ._jit_fp8 import halves_table
 from .logits import (MIN_FILTER_ERROR, approx_block_logits, bound_keys, check_paged_args, decode_args,
                      logit_error_scale, paged_tile, paged_tile_logits, pool_entries, query_halves, query_values,
@@ -286,14 +286,7 @@ def _check_expand(expand, rows: int, select_k: int, device):
     if not (isinstance(expand, tuple) and len(expand) == 3):
         raise TypeError(f"expand must be a tuple (seq_lens, pool_size, width), got {type(expand).__name__}")
     seq_lens, pool_size, width = expand
-    check_tensor("seq_lens", seq_lens, dtype=INT_DTYPES, shape=(rows,), device=device)
-    check_pool_size(pool_size)
-    natural = select_k * pool_size + pool_size - 1
-    width = natural if width is None else width
-    check_positive_int("width", width)
-    if width < natural:
-        raise ValueError(f"width must be >= select_k*pool_size + pool_size - 1 = {natural}, got {width}")
-    return seq_lens, pool_size, width
+    return seq_lens, pool_size, select.check_expansion(seq_lens, pool_size, width, rows, select_k, device)
 
 
 def paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, *, layout=None, fp8_dtype=None,

@@ -194,6 +194,21 @@ def _check_int(name, value, minimum=0):
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
+def check_expansion(seq_lens, pool_size, width, rows: int, n_pools: int, device) -> int:
+    """Validate the ``seq_lens [rows]``, ``pool_size`` and ``width`` of an expansion of ``n_pools``
+    pool ids per row (``expand_pools_and_append_tail``); returns ``width`` (None: the natural
+    ``n_pools * P + P - 1``)."""
+    check_pool_size(pool_size)
+    check_tensor("seq_lens", seq_lens, dtype=INT_DTYPES, shape=(rows,), device=device)
+    natural = n_pools * pool_size + pool_size - 1
+    if width is None:
+        return natural
+    _check_int("width", width)
+    if width < natural:
+        raise ValueError(f"width must be >= n_pools*pool_size + pool_size - 1 = {natural}, got {width}")
+    return width
+
+
 def _check_mapping(rows, device, page_table, topk_offsets):
     """Validate the optional ``page_table [>= rows, W]`` / ``topk_offsets [rows] or [rows, 1]``."""
     if page_table is not None and topk_offsets is not None:
@@ -267,18 +282,10 @@ def expand_pools_and_append_tail(pool_ids, seq_lens, pool_size, *, width=None, p
     int32 ``[rows, width]``: columns ``[0, n_pools*P)`` hold ``pool*P + o`` per pool, the next
     ``P - 1`` the tail tokens ``[seq_len//P*P, seq_len)`` (-1 padded), the rest -1.
     """
-    check_pool_size(pool_size)
     check_tensor("pool_ids", pool_ids, dtype=INT_DTYPES, ndim=2)
     device = pool_ids.device
     rows, n_pools = pool_ids.shape
-    check_tensor("seq_lens", seq_lens, dtype=INT_DTYPES, shape=(rows,), device=device)
-    natural = n_pools * pool_size + pool_size - 1
-    if width is None:
-        width = natural
-    else:
-        _check_int("width", width)
-        if width < natural:
-            raise ValueError(f"width must be >= n_pools*pool_size + pool_size - 1 = {natural}, got {width}")
+    width = check_expansion(seq_lens, pool_size, width, rows, n_pools, device)
     _check_mapping(rows, device, page_table, None)
     if backend_for(device) == "torch":
         return reference.expand_pools_and_append_tail(pool_ids, seq_lens, pool_size, width=width,

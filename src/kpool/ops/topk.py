@@ -144,7 +144,7 @@ def store_tail(out_row, seq_ptr, seq_off, select_k, n_tail, P: tl.constexpr, TAI
     (``select.store_tail``; ``seq``: the row's token count at ``seq_ptr + seq_off``, negative = 0)."""
     if TAIL:
         seq = tl.maximum(tl.load(seq_ptr + seq_off).to(tl.int64), 0)
-        start = seq // P * P
+        start = seq // P * P  # row_ok: every row writes its tail (seq >= 0 is a true tensor, not a Python bool)
         select.store_tail(out_row + select_k * P, seq_off, seq >= 0, start, seq - start, n_tail, seq_ptr, 0, 0, 1,
                           P, TAIL_BLOCK, 0)
 
