@@ -69,7 +69,9 @@ SELECT_BLOCK = 2048  # ... and keys per step of its passes (H200 sweep: 32 x 128
 RADIX_BITS = 6  # bits per radix pass of the threshold select, at most 8 (H200, 1 x 128K: 6 -> 38.3 us, 8 -> 40.5)
 RANK_COMPARES = 1 << 24  # compares one threshold select may spend ranking (rank_limit; H200: 1 x 128K, 2,367
 #                          survivors: ~13 -> 4.3 us ranked; 32 x 128K, ~1,000 per row: 224 radix vs 233 ranked)
-RANK_SLICE, RANK_BLOCK = 8, 256  # survivors a ranking program ranks, and compares them with, per step ...
+RANK_SLICE, RANK_BLOCK = 8, 256  # survivors a ranking program ranks, and compares them with, per step (streamed) ...
+RANK_RESIDENT_KEYS = 1024  # ... or, for rows of at most this many survivors, all of them held in registers ...
+RANK_TILE = 1 << 15  # ... by slices of up to this many compares (rank_shape) ...
 RANK_PROGRAMS_PER_SM = 2  # ... and its programs per SM (rank_programs): the blocks of 8 warps at 94 registers one SM
 #                            holds, so that a row's programs run in one wave
 SURVIVOR_KEYS = 2048  # keys per program of the survivor filter
@@ -395,6 +397,20 @@ def _radix_threshold(base, cnt, lo, top, select_k, BLOCK: tl.constexpr, BITS: tl
 
 
 @triton.jit
+def _row_bound_slot(n_vis, select_k, CHUNK: tl.constexpr, KW: tl.constexpr, FILTER: tl.constexpr):
+    """``(full, bound, at)`` of ``_row_bound``: the row's wholly visible leaves, whether their
+    lists bound the row, and the slot in each list of the key that bounds it."""
+    full, rank = _bound_rank(n_vis, CHUNK, select_k)
+    bound = full * KW >= select_k
+    if FILTER:  # the heads were written when the rank is at most HEAD (store_leaf_bounds)
+        unsorted = _unsorted_list(rank, CHUNK, CHUNK)
+        bound = bound & unsorted
+    else:
+        unsorted = _unsorted_list(rank, CHUNK, KW)
+    return full, bound, tl.where(unsorted, rank - 1, HEAD + rank - 1)  # in the sorted keys
+
+
+@triton.jit
 def _row_bound(base, n_vis, select_k, CHUNK: tl.constexpr, KW: tl.constexpr, LB: tl.constexpr,
                FILTER: tl.constexpr):
     """A lower bound of a row's ``select_k``-th best key from its leaf lists at ``base``
@@ -404,14 +420,7 @@ def _row_bound(base, n_vis, select_k, CHUNK: tl.constexpr, KW: tl.constexpr, LB:
     ``rank``-th keys exist (``_bound_rank``), at least ``select_k`` keys are ``>=`` the
     smallest of those. Else ``NO_KEY`` (every key). ``FILTER`` (``store_leaf_bounds``): the
     heads are lower bounds, and a row whose heads were not written bounds nothing."""
-    full, rank = _bound_rank(n_vis, CHUNK, select_k)
-    bound = full * KW >= select_k
-    if FILTER:  # the heads were written when the rank is at most HEAD (store_leaf_bounds)
-        unsorted = _unsorted_list(rank, CHUNK, CHUNK)
-        bound = bound & unsorted
-    else:
-        unsorted = _unsorted_list(rank, CHUNK, KW)
-    at = tl.where(unsorted, rank - 1, HEAD + rank - 1)  # in the sorted keys
+    full, bound, at = _row_bound_slot(n_vis, select_k, CHUNK, KW, FILTER)
     lst = tl.arange(0, LB)
     heads = tl.load(base + lst * (HEAD + KW) + at, mask=lst < tl.where(bound, full, 0), other=9223372036854775807)
     return tl.where(bound, tl.min(heads), NO_KEY)
@@ -427,26 +436,25 @@ def _survivors_kernel(cand_ptr, n_lists, lens_ptr, lens_stride, n_cols, surv_ptr
     # slots) to surv[row], at offsets claimed with an atomic on count[row]. The order of the
     # survivors depends on the schedule; what follows only counts and sorts them.
     row = tl.program_id(0).to(tl.int64)
+    base = cand_ptr + row * n_lists * (HEAD + KW)
+    lst = tl.program_id(1) * LG + tl.arange(0, LG)
+    if FILTER:  # all CHUNK pools' upper codes (two per slot), loaded with the row's length and bound
+        tl.static_assert((CHUNK >= KW) and (CHUNK <= 2 * KW), "a filtering leaf keeps all its bounds")
+        key = tl.reshape(_upper_keys(base + lst[:, None] * (HEAD + KW), lst[:, None], (lst < n_lists)[:, None],
+                                     CHUNK), (LG * CHUNK,))
+        lo = tl.load(bound_ptr + row)
+        surv_row = surv_ptr + row * n_lists * CHUNK
     n_vis = visible_pools(lens_ptr, row * lens_stride, n_cols)
     if n_vis > select_k:
-        base = cand_ptr + row * n_lists * (HEAD + KW)
-        if FILTER:
-            lo = tl.load(bound_ptr + row)
-        else:
+        if not FILTER:
             lo = _row_bound(base, n_vis, select_k, CHUNK, KW, LB, FILTER)
-        lst = tl.program_id(1) * LG + tl.arange(0, LG)
-        if FILTER:  # all CHUNK pools' upper codes, two per slot
-            tl.static_assert((CHUNK >= KW) and (CHUNK <= 2 * KW), "a filtering leaf keeps all its bounds")
-            key = _upper_keys(base + lst[:, None] * (HEAD + KW), lst[:, None], (lst < n_lists)[:, None], CHUNK)
-            key = tl.reshape(key, (LG * CHUNK,))
-            surv_row = surv_ptr + row * n_lists * CHUNK
-        else:
             key = tl.load(base + lst[:, None] * (HEAD + KW) + HEAD + tl.arange(0, KW)[None, :],
                           mask=(lst < n_lists)[:, None], other=NO_KEY)
             key = tl.reshape(key, (LG * KW,))
             surv_row = surv_ptr + row * n_lists * KW
         keep = (key >= lo) & (key != NO_KEY)
-        at = tl.atomic_add(count_ptr + row, tl.sum(keep.to(tl.int32)))
+        # relaxed: the offsets only need to be distinct; the next launch sees every write
+        at = tl.atomic_add(count_ptr + row, tl.sum(keep.to(tl.int32)), sem="relaxed")
         tl.store(surv_row + at + tl.cumsum(keep.to(tl.int32), 0) - 1, key, mask=keep)
 
 
@@ -460,14 +468,24 @@ def _union_bound_kernel(cand_ptr, n_lists, lens_ptr, lens_stride, n_cols, bound_
     # select_k pools score at or above it), when they hold select_k keys; else _row_bound's.
     # Lists of HEAD + KW slots (the CHUNK <= 2 * KW upper codes after the heads).
     row = tl.program_id(0).to(tl.int64)
-    n_vis = visible_pools(lens_ptr, row * lens_stride, n_cols)
     base = cand_ptr + row * n_lists * (HEAD + KW)
-    lo = _row_bound(base, n_vis, select_k, CHUNK, KW, LB, True)
-    full, _ = _bound_rank(n_vis, CHUNK, select_k)
+    lst = tl.arange(0, LB)
+    if RESIDENT:  # every list's heads (some unwritten: masked below), loaded with the row's length
+        c = tl.arange(0, HEAD)[None, :]
+        heads = tl.load(base + lst[:, None] * (HEAD + KW) + c, mask=(lst < n_lists)[:, None], other=NO_KEY)
+    n_vis = visible_pools(lens_ptr, row * lens_stride, n_cols)
+    full, bound, at = _row_bound_slot(n_vis, select_k, CHUNK, KW, True)
+    if RESIDENT:
+        listed = (lst < full)[:, None]
+        lo = tl.min(tl.where(listed & (c == at), heads, 9223372036854775807))
+        top = tl.max(tl.where(listed & (c == 0), heads, NO_KEY))  # each list's heads are sorted
+    else:  # the rank-th heads exist only where bound
+        listed = lst < tl.where(bound, full, 0)
+        lo = tl.min(tl.load(base + lst * (HEAD + KW) + at, mask=listed, other=9223372036854775807))
+        top = tl.max(tl.load(base + lst * (HEAD + KW), mask=listed, other=NO_KEY))
+    lo = tl.where(bound, lo, NO_KEY)  # _row_bound's
     cnt = (full * HEAD).to(tl.int32)
-    if (n_vis > select_k) & (lo != NO_KEY) & (cnt >= select_k):
-        lst = tl.arange(0, LB)  # each list's heads are sorted: the best of all is a first head
-        top = tl.max(tl.load(base + lst * (HEAD + KW), mask=lst < full, other=NO_KEY))
+    if (n_vis > select_k) & bound & (cnt >= select_k):
         # lo (the smallest full leaf's rank-th head) is at or below the answer: a bucket floor
         kth = lo.to(tl.uint64, bitcast=True) + _radix_threshold(base, cnt, lo, top, select_k, BLOCK, BITS, HEAD,
                                                                  HEAD + KW, RESIDENT)
@@ -481,27 +499,36 @@ def _min_max(a_lo, a_top, b_lo, b_top):
 
 
 @triton.jit
-def _rank_write(base, cnt, out_row, select_k, SLICE: tl.constexpr, BLOCK: tl.constexpr, P: tl.constexpr,
-                PB: tl.constexpr):
+def _rank_write(base, cnt, out_row, select_k, SLICE: tl.constexpr, BLOCK: tl.constexpr, RESIDENT: tl.constexpr,
+                P: tl.constexpr, PB: tl.constexpr):
     """Of the ``cnt`` unique keys ``base[0:cnt]``: every key whose rank (the count of larger
     keys) is below ``select_k`` writes its pool id to column ``rank`` of ``out_row``
-    (``store_ids``), i.e. the ``select_k`` best, sorted. Program ``g`` of ``G`` (axis 1) ranks keys ``[s, s + SLICE)``
-    for ``s = g * SLICE, (g + G) * SLICE, ...`` against all ``cnt``, ``BLOCK`` at a time."""
+    (``store_ids``), i.e. the ``select_k`` best, sorted. Program ``g`` of ``G`` (axis 1) ranks
+    keys ``[s, s + SLICE)`` for ``s = g * SLICE, (g + G) * SLICE, ...`` against all ``cnt``: with
+    ``RESIDENT`` (``cnt <= BLOCK``) held in registers, loaded once (the next slice's keys loaded
+    before this one is ranked); else streamed ``BLOCK`` at a time for every slice."""
     g, n_prog = tl.program_id(1), tl.num_programs(1)
+    j = tl.arange(0, BLOCK)
+    other = tl.load(base + j, mask=j < cnt, other=NO_KEY)
+    i = g * SLICE + tl.arange(0, SLICE)
+    mine = tl.load(base + i, mask=i < cnt, other=NO_KEY)
     for s in range(g * SLICE, cnt, n_prog * SLICE):
+        nxt = s + n_prog * SLICE + tl.arange(0, SLICE)
+        after = tl.load(base + nxt, mask=nxt < cnt, other=NO_KEY)  # the next slice
+        if RESIDENT:
+            rank = tl.sum((other[None, :] > mine[:, None]).to(tl.int32), axis=1)
+        else:
+            above = tl.zeros((SLICE, BLOCK), tl.int32)
+            block = other
+            for start in range(BLOCK, cnt + BLOCK, BLOCK):  # the next block loaded before this one is compared
+                j = start + tl.arange(0, BLOCK)
+                nxt_block = tl.load(base + j, mask=j < cnt, other=NO_KEY)
+                above += (block[None, :] > mine[:, None]).to(tl.int32)
+                block = nxt_block
+            rank = tl.sum(above, axis=1)
         i = s + tl.arange(0, SLICE)
-        mine = tl.load(base + i, mask=i < cnt, other=NO_KEY)
-        above = tl.zeros((SLICE, BLOCK), tl.int32)
-        j = tl.arange(0, BLOCK)
-        other = tl.load(base + j, mask=j < cnt, other=NO_KEY)
-        for start in range(BLOCK, cnt + BLOCK, BLOCK):
-            # the next block is loaded before this one is compared
-            j = start + tl.arange(0, BLOCK)
-            nxt = tl.load(base + j, mask=j < cnt, other=NO_KEY)
-            above += (other[None, :] > mine[:, None]).to(tl.int32)
-            other = nxt
-        rank = tl.sum(above, axis=1)
         store_ids(out_row, rank, key_ids(mine), (i < cnt) & (rank < select_k), P, PB)
+        mine = after
 
 
 @triton.jit
@@ -529,6 +556,7 @@ def _radix_select(base, cnt, out_row, n_vis, select_k, KB: tl.constexpr, BLOCK: 
 def _threshold_select_kernel(surv_ptr, n_surv, count_ptr, lens_ptr, lens_stride, n_cols, out_ptr, out_stride,
                              select_k, rank_limit, seq_ptr, seq_stride, n_tail, KB: tl.constexpr,
                              BLOCK: tl.constexpr, BITS: tl.constexpr, SLICE: tl.constexpr, RANK_BLOCK: tl.constexpr,
+                             RANK_RESIDENT: tl.constexpr,
                              P: tl.constexpr, PB: tl.constexpr, TAIL: tl.constexpr, TAIL_BLOCK: tl.constexpr,
                              PDL: tl.constexpr):
     _pdl.grid_dependency_sync(PDL)
@@ -543,7 +571,7 @@ def _threshold_select_kernel(surv_ptr, n_surv, count_ptr, lens_ptr, lens_stride,
         base = surv_ptr + row * n_surv
         cnt = tl.load(count_ptr + row)
         if cnt <= rank_limit:
-            _rank_write(base, cnt, out_row, select_k, SLICE, RANK_BLOCK, P, PB)
+            _rank_write(base, cnt, out_row, select_k, SLICE, RANK_BLOCK, RANK_RESIDENT, P, PB)
         elif tl.program_id(1) == 0:
             _radix_select(base, cnt, out_row, n_vis, select_k, KB, BLOCK, BITS, P, PB)
     elif tl.program_id(1) == 0:
@@ -677,11 +705,24 @@ def rank_limit(rows: int) -> int:
 def rank_programs(rows: int, limit: int, device) -> int:
     """Programs per row of ``_threshold_select_kernel`` (each ranks every ``G``-th slice): enough
     to fill the GPU with ``RANK_PROGRAMS_PER_SM`` per SM without a second wave (H200, 32 x 128K:
-    8 per row instead of 13 in 1.6 waves, 85.7 -> 84.5 us), at most one per slice of ``limit``
-    survivors (two off the GPU, so that the CPU lanes exercise the striding)."""
+    8 per row instead of 13 in 1.6 waves, 85.7 -> 84.5 us), at most one per ``RANK_SLICE`` of
+    ``limit`` survivors (two off the GPU, so that the CPU lanes exercise the striding)."""
     slices = max(1, triton.cdiv(limit, RANK_SLICE))
     sms = _sm_count(device)
     return min(slices, max(1, RANK_PROGRAMS_PER_SM * sms // rows) if sms else 2)
+
+
+def rank_shape(limit: int, programs: int) -> dict:
+    """``SLICE``, ``RANK_BLOCK``, ``RANK_RESIDENT`` of ``_threshold_select_kernel`` for rows of up
+    to ``limit`` ranked survivors and ``programs`` per row: up to ``RANK_RESIDENT_KEYS`` all of
+    them in registers (``RANK_BLOCK`` of them), each program ranking slices big enough to cover
+    ``limit`` in one step, at least ``RANK_SLICE``, at most ``RANK_TILE // RANK_BLOCK``; else
+    ``RANK_SLICE`` against streamed blocks of ``RANK_BLOCK``."""
+    block = triton.next_power_of_2(max(limit, MIN_KB))
+    if block > RANK_RESIDENT_KEYS:
+        return dict(SLICE=RANK_SLICE, RANK_BLOCK=RANK_BLOCK, RANK_RESIDENT=False)
+    want = triton.next_power_of_2(triton.cdiv(limit, programs))
+    return dict(SLICE=max(RANK_SLICE, min(want, RANK_TILE // block)), RANK_BLOCK=block, RANK_RESIDENT=True)
 
 
 def threshold_select(cand, count, chunk, lens, n_cols, select_k, out, refine=None, expand=None) -> None:
@@ -692,9 +733,10 @@ def threshold_select(cand, count, chunk, lens, n_cols, select_k, out, refine=Non
         refine(surv, count)
     rows = out.shape[0]
     limit = rank_limit(rows)
-    _threshold_select_kernel[(rows, rank_programs(rows, limit, out.device))](
+    programs = rank_programs(rows, limit, out.device)
+    _threshold_select_kernel[(rows, programs)](
         surv, surv.shape[1], count, lens, lens.stride(0), n_cols, out, out.stride(0), select_k, limit,
-        KB=key_block(select_k), BLOCK=SELECT_BLOCK, BITS=RADIX_BITS, SLICE=RANK_SLICE, RANK_BLOCK=RANK_BLOCK,
+        KB=key_block(select_k), BLOCK=SELECT_BLOCK, BITS=RADIX_BITS, **rank_shape(limit, programs),
         **expansion_args(expand, select_k, lens), num_warps=SELECT_WARPS, **pdl_launch(out.device),
     )
 
