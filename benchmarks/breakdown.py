@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Per-kernel GPU time of chosen benchmark cases (where a step's time goes).
 
-    KPOOL_PDL=0 python benchmarks/breakdown.py --op score --cases 'decode B=32 ctx=128K' --out k.json
+    KPOOL_PDL=0 python benchmarks/breakdown.py --op score --cases 'decode B=32 ctx=128K' [--src TREE] --out k.json
 
 Runs each matching case's ``ours`` (or ``--impl``) eagerly over rotated input sets (as
 ``run_all.py`` builds them) under ``torch.profiler`` and prints, per kernel name in launch
@@ -23,7 +23,6 @@ from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
-sys.path.insert(0, str(BENCH_DIR.parent / "src"))
 
 
 def kernel_table(fn, sets, steps: int) -> list:
@@ -55,8 +54,10 @@ def main(argv=None) -> int:
     ap.add_argument("--impl", default="ours")
     ap.add_argument("--sets", type=int, default=4, help="input sets rotated over (cold-ish L2)")
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--src", default=str(BENCH_DIR.parent / "src"), help="the src tree holding kpool (an A/B variant)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
+    sys.path.insert(0, str(Path(args.src).resolve()))
 
     import harness
     ctx = harness.Ctx("full", "cuda", check=False)

@@ -324,12 +324,6 @@ def _expand_axis():
                   for tb in (tail_block(p - 1), TAIL_MAX_BLOCK)]
 
 
-def _rank_axis(m):
-    """``topk.rank_shape``: the survivors of a row held in registers (32 rows, 8 programs each:
-    the decode shape of the bench) and streamed (one row)."""
-    return [m.rank_shape(m.rank_limit(rows), programs) for rows, programs in ((32, 8), (1, 264))]
-
-
 def _kb_axis():
     return axis("KB", _KBS)
 
@@ -383,8 +377,8 @@ def _topk_specs(m):
         "_threshold_select_kernel": KernelSpec(
             ptrs=dict(surv_ptr="i64", count_ptr="i32", lens_ptr="i32", out_ptr="i32", seq_ptr="i64"),
             cross=(_kb_axis(),), cycle=(int_ptr_axis("lens_ptr", "seq_ptr"), axis("lens_stride", (1, "i32")),
-                                        _expand_axis(), _rank_axis(m)),
-            fixed=dict(BLOCK=m.SELECT_BLOCK, BITS=m.RADIX_BITS),
+                                        _expand_axis()),
+            fixed=dict(BLOCK=m.SELECT_BLOCK, BITS=m.RADIX_BITS, SLICE=m.RANK_SLICE, RANK_BLOCK=m.RANK_BLOCK),
             options=dict(num_warps=m.SELECT_WARPS)),
     }
 
