@@ -89,6 +89,20 @@ def test_opcheck(name, backend, device):
     torch.library.opcheck(op, CASES[name](device), **({"test_utils": utils} if utils else {}))
 
 
+@pytest.mark.parametrize("width", [0, 2 * PAGE + 5])
+def test_paged_pool_topk_expands(backend, device, width):
+    """``seq_lens`` / ``pool_size`` / ``width`` (the Python API's ``expand``): the same tokens as
+    the ids through ``expand_pools_and_append_tail``; opcheck as for the ids."""
+    sargs = _select_args(device)
+    seq = torch.tensor([43, 161]).to(device)
+    op = torch.ops.kpool.paged_pool_topk
+    torch.library.opcheck(op.default, sargs + [seq, P, width],
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+    got = op(*sargs, seq, P, width)
+    want = torch.ops.kpool.expand_pools_and_append_tail(op(*sargs), seq, P, width or sargs[5] * P + P - 1)
+    assert got.shape == want.shape and torch.equal(got.cpu(), want.cpu())
+
+
 def _step(kv, tail, cargs, dargs, sargs, eargs):
     torch.ops.kpool.compress_and_write_cache(kv, *cargs)
     torch.ops.kpool.decode_update(kv, tail, *dargs)

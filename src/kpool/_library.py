@@ -86,16 +86,22 @@ def _(q, weights, fp8_dtype, round_scale):
 @torch.library.custom_op(f"{NAMESPACE}::paged_pool_topk", mutates_args=())
 def pool_topk(q_fp8: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, pool_lens: torch.Tensor,
               page_table: torch.Tensor, select_k: int, layout: str, fp8_dtype: torch.dtype,
-              max_pools: int) -> torch.Tensor:
+              max_pools: int, seq_lens: Optional[torch.Tensor] = None, pool_size: int = 1,
+              width: int = 0) -> torch.Tensor:
     """``paged_pool_topk``: int32 ``[B * next_n, select_k]`` pool ids (``max_pools``: a bound on
-    every row's visible pools, given so the op needs no host sync)."""
+    every row's visible pools, given so the op needs no host sync); with ``seq_lens`` the
+    selection expanded to tokens with the tails appended, ``expand=(seq_lens, pool_size,
+    width)``: int32 ``[B * next_n, width]`` (``width`` 0: the natural ``select_k * P + P - 1``)."""
+    expand = None if seq_lens is None else (seq_lens, pool_size, width or None)
     return paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, layout=layout,
-                           fp8_dtype=fp8_dtype, max_pools=max_pools)
+                           fp8_dtype=fp8_dtype, max_pools=max_pools, expand=expand)
 
 
 @pool_topk.register_fake
-def _(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, layout, fp8_dtype, max_pools):
-    return q_fp8.new_empty((q_fp8.shape[0] * q_fp8.shape[1], select_k), dtype=torch.int32)
+def _(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, layout, fp8_dtype, max_pools, seq_lens=None,
+      pool_size=1, width=0):
+    cols = select_k if seq_lens is None else (width or select_k * pool_size + pool_size - 1)
+    return q_fp8.new_empty((q_fp8.shape[0] * q_fp8.shape[1], cols), dtype=torch.int32)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::expand_pools_and_append_tail", mutates_args=())
