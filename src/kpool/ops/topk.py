@@ -69,7 +69,8 @@ SELECT_BLOCK = 2048  # ... and keys per step of its passes (H200 sweep: 32 x 128
 RADIX_BITS = 6  # bits per radix pass of the threshold select, at most 8 (H200, 1 x 128K: 6 -> 38.3 us, 8 -> 40.5)
 RANK_COMPARES = 1 << 24  # compares one threshold select may spend ranking (rank_limit; H200: 1 x 128K, 2,367
 #                          survivors: ~13 -> 4.3 us ranked; 32 x 128K, ~1,000 per row: 224 radix vs 233 ranked)
-RANK_SLICE, RANK_BLOCK = 8, 256  # survivors a ranking program ranks, and compares them with, per step ...
+RANK_SLICE, RANK_BLOCK = 8, 128  # survivors a ranking program ranks, and compares them with, per step (H200, 32 x
+#                                 128K: 256 -> 128 -2.5 us; 13th session, 1,000 survivors: -0.8 us) ...
 RANK_PROGRAMS_PER_SM = 2  # ... and its programs per SM (rank_programs): the blocks of 8 warps at 94 registers one SM
 #                            holds, so that a row's programs run in one wave
 SURVIVOR_KEYS = 2048  # keys per program of the survivor filter
@@ -497,36 +498,27 @@ def _min_max(a_lo, a_top, b_lo, b_top):
 
 
 @triton.jit
-def _rank_write(base, n, cnt, width, out_row, select_k, SLICE: tl.constexpr, BLOCK: tl.constexpr, P: tl.constexpr,
+def _rank_write(base, cnt, out_row, select_k, SLICE: tl.constexpr, BLOCK: tl.constexpr, P: tl.constexpr,
                 PB: tl.constexpr):
-    """Of the ``cnt`` unique keys ``base[0:cnt]`` (a row of ``width`` slots): every key whose rank
-    (the count of larger keys) is below ``select_k`` writes its pool id to column ``rank`` of
-    ``out_row`` (``store_ids``), i.e. the ``select_k`` best, sorted; nothing when ``n`` is 0 (else
-    ``n == cnt``). Program ``g`` of ``G`` (axis 1) ranks keys ``[s, s + SLICE)`` for
-    ``s = g * SLICE, (g + G) * SLICE, ...`` against all ``cnt``, ``BLOCK`` at a time. The first
-    block and slice are loaded before ``n`` and ``cnt`` are known (masked by ``width``, then ``cnt``)."""
+    """Of the ``cnt`` unique keys ``base[0:cnt]``: every key whose rank (the count of larger
+    keys) is below ``select_k`` writes its pool id to column ``rank`` of ``out_row``
+    (``store_ids``), i.e. the ``select_k`` best, sorted. Program ``g`` of ``G`` (axis 1) ranks keys ``[s, s + SLICE)``
+    for ``s = g * SLICE, (g + G) * SLICE, ...`` against all ``cnt``, ``BLOCK`` at a time."""
     g, n_prog = tl.program_id(1), tl.num_programs(1)
-    j = tl.arange(0, BLOCK)
-    first = tl.load(base + j, mask=j < width, other=NO_KEY)
-    i = g * SLICE + tl.arange(0, SLICE)
-    mine = tl.load(base + i, mask=i < width, other=NO_KEY)
-    first = tl.where(j < cnt, first, NO_KEY)
-    mine = tl.where(i < cnt, mine, NO_KEY)
-    for s in range(g * SLICE, n, n_prog * SLICE):
-        nxt = s + n_prog * SLICE + tl.arange(0, SLICE)
-        after = tl.load(base + nxt, mask=nxt < cnt, other=NO_KEY)  # the next slice
+    for s in range(g * SLICE, cnt, n_prog * SLICE):
+        i = s + tl.arange(0, SLICE)
+        mine = tl.load(base + i, mask=i < cnt, other=NO_KEY)
         above = tl.zeros((SLICE, BLOCK), tl.int32)
-        other = first
+        j = tl.arange(0, BLOCK)
+        other = tl.load(base + j, mask=j < cnt, other=NO_KEY)
         for start in range(BLOCK, cnt + BLOCK, BLOCK):
             # the next block is loaded before this one is compared
             j = start + tl.arange(0, BLOCK)
-            block = tl.load(base + j, mask=j < cnt, other=NO_KEY)
+            nxt = tl.load(base + j, mask=j < cnt, other=NO_KEY)
             above += (other[None, :] > mine[:, None]).to(tl.int32)
-            other = block
+            other = nxt
         rank = tl.sum(above, axis=1)
-        i = s + tl.arange(0, SLICE)
         store_ids(out_row, rank, key_ids(mine), (i < cnt) & (rank < select_k), P, PB)
-        mine = after
 
 
 @triton.jit
@@ -562,17 +554,17 @@ def _threshold_select_kernel(surv_ptr, n_surv, count_ptr, lens_ptr, lens_stride,
     # else by program 0's radix passes (the survivors are overwritten). Ids, or tokens and the
     # tail (expansion_args; program 0).
     row = tl.program_id(0).to(tl.int64)
-    base = surv_ptr + row * n_surv
-    out_row = out_ptr + row * out_stride
-    cnt = tl.load(count_ptr + row)  # every row's (the leaves zero it), loaded with the length
     n_vis = visible_pools(lens_ptr, row * lens_stride, n_cols)
-    ranked = (n_vis > select_k) & (cnt <= rank_limit)
-    _rank_write(base, tl.where(ranked, cnt, 0), cnt, n_surv, out_row, select_k, SLICE, RANK_BLOCK, P, PB)
-    if tl.program_id(1) == 0:
-        if n_vis <= select_k:
-            emit_in_order(out_row, n_vis, select_k, KB, P, PB)
-        elif not ranked:
+    out_row = out_ptr + row * out_stride
+    if n_vis > select_k:
+        base = surv_ptr + row * n_surv
+        cnt = tl.load(count_ptr + row)
+        if cnt <= rank_limit:
+            _rank_write(base, cnt, out_row, select_k, SLICE, RANK_BLOCK, P, PB)
+        elif tl.program_id(1) == 0:
             _radix_select(base, cnt, out_row, n_vis, select_k, KB, BLOCK, BITS, P, PB)
+    elif tl.program_id(1) == 0:
+        emit_in_order(out_row, n_vis, select_k, KB, P, PB)
     if tl.program_id(1) == 0:
         store_tail(out_row, seq_ptr, row * seq_stride, select_k, n_tail, P, TAIL, TAIL_BLOCK)
 
