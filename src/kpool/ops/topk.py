@@ -474,15 +474,13 @@ def _union_bound_kernel(cand_ptr, n_lists, lens_ptr, lens_stride, n_cols, bound_
         heads = tl.load(base + lst[:, None] * (HEAD + KW) + c, mask=(lst < n_lists)[:, None], other=NO_KEY)
     n_vis = visible_pools(lens_ptr, row * lens_stride, n_cols)
     full, bound, at = _row_bound_slot(n_vis, select_k, CHUNK, KW, True)
-    if RESIDENT:
+    if RESIDENT:  # _row_bound's, from the loaded heads
         listed = (lst < full)[:, None]
-        lo = tl.min(tl.where(listed & (c == at), heads, 9223372036854775807))
+        lo = tl.where(bound, tl.min(tl.where(listed & (c == at), heads, 9223372036854775807)), NO_KEY)
         top = tl.max(tl.where(listed & (c == 0), heads, NO_KEY))  # each list's heads are sorted
-    else:  # the rank-th heads exist only where bound
-        listed = lst < tl.where(bound, full, 0)
-        lo = tl.min(tl.load(base + lst * (HEAD + KW) + at, mask=listed, other=9223372036854775807))
-        top = tl.max(tl.load(base + lst * (HEAD + KW), mask=listed, other=NO_KEY))
-    lo = tl.where(bound, lo, NO_KEY)  # _row_bound's
+    else:
+        lo = _row_bound(base, n_vis, select_k, CHUNK, KW, LB, True)
+        top = tl.max(tl.load(base + lst * (HEAD + KW), mask=lst < tl.where(bound, full, 0), other=NO_KEY))
     cnt = (full * HEAD).to(tl.int32)
     if (n_vis > select_k) & bound & (cnt >= select_k):
         # lo (the smallest full leaf's rank-th head) is at or below the answer: a bucket floor
