@@ -143,12 +143,14 @@ def pool_softmax(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor) -> 
 
     ``keys``, ``gates``: ``[n, P, 128]`` bf16; ``ape``: ``[P, 128]`` fp32. Returns fp32 ``[n, 128]``.
     Slots are visited in order 0..P-1 (two passes: max, then exp / sums). The max starts at
-    ``-inf`` and is IEEE maxNum (NaN logits are skipped), as ``tl.maximum`` in the kernels.
+    slot 0's logit and is IEEE maxNum (NaN logits are skipped), as ``tl.maximum`` in the
+    kernels; an all-NaN dim keeps a NaN max, and ``exp_exact`` of ``NaN - max`` is the same
+    ``2^EXP_T_MIN`` as it would be from ``-inf``.
     """
     n, pool, _ = keys.shape
     logits = gates.to(_F32) + ape.to(_F32)[None]
-    top = torch.full_like(logits[:, 0], float("-inf"))
-    for s in range(pool):
+    top = logits[:, 0]
+    for s in range(1, pool):
         top = torch.fmax(top, logits[:, s])
     acc = torch.zeros(n, HEAD_DIM, dtype=_F32, device=keys.device)
     den = torch.zeros_like(acc)

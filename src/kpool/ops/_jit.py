@@ -39,6 +39,13 @@ def exp_exact(x):
 
 
 @triton.jit
+def bf16_to_f32(x):
+    """bf16 -> fp32 (exact) as one integer shift of the bits: the native conversion of a
+    register's upper bf16 takes two instructions on sm_90 (PRMT + SHF), this one."""
+    return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def bf16_round(x):
     """fp32 -> nearest bf16 (ties to even) as fp32 (the native conversion); a NaN gives a NaN
     whose sign and payload are the target's: only NaN-ness reaches the fp8 codes."""
@@ -205,14 +212,14 @@ def load_slot(ptr, tok_off, ring_ptr, ring_row, in_ring, live, d, HAS_RING: tl.c
     if HAS_RING:
         if ROW_SELECT:
             row = tl.where(in_ring, ring_ptr + ring_row, ptr + tok_off)
-            x = tl.load(row[:, None] + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-        else:
+            x = bf16_to_f32(tl.load(row[:, None] + d[None, :], mask=live[:, None], other=0.0))
+        else:  # selected as fp32 (gfx942, triton 3.6: a select of the bf16 loads fails to lower)
             x = tl.load(ptr + tok_off[:, None] + d[None, :], mask=(live & ~in_ring)[:, None], other=0.0)
             xr = tl.load(ring_ptr + ring_row[:, None] + d[None, :], mask=(live & in_ring)[:, None], other=0.0)
-            x = tl.where(in_ring[:, None], xr.to(tl.float32), x.to(tl.float32))
+            x = tl.where(in_ring[:, None], bf16_to_f32(xr), bf16_to_f32(x))
     else:  # (ptr + tok_off)[:, None] + d, not ptr + (tok_off[:, None] + d): on the H200, P=16 prefill 45.4 -> 42.0 us
         row = ptr + tok_off
-        x = tl.load(row[:, None] + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        x = bf16_to_f32(tl.load(row[:, None] + d[None, :], mask=live[:, None], other=0.0))
     return x
 
 
@@ -246,11 +253,11 @@ def pool_vector(k_ptr, g_ptr, k_off, g_off, k_step, g_step,
     Slot ``s`` of pool ``i`` is read from the ring (block at element ``ring_off[i]``, slot
     ``(ring_pos0[i] + s) % RING``, gates ``ring_head`` elements further) when
     ``HAS_RING`` and ``s < n_ring[i]``, else from the token rows ``k_off[i] + s*k_step``
-    and ``g_off[i] + s*g_step``. Two passes in slot order: the max of the logits, then
-    exp, denominator and weighted sum. The key rows are loaded in the first pass (a tuple),
-    so their loads are in flight before the second pass needs them. Returns fp32 ``[BN, 128]``.
+    and ``g_off[i] + s*g_step``. Two passes in slot order: the max of the logits (from
+    slot 0's, as ``numerics.pool_softmax``), then exp, denominator and weighted sum. The
+    key rows are loaded in the first pass (a tuple), so their loads are in flight before the
+    second pass needs them. Returns fp32 ``[BN, 128]``.
     """
-    top = tl.full((BN, 128), float("-inf"), tl.float32)
     keys = ()
     for s in tl.static_range(P):
         ring_row = ring_off + ((ring_pos0 + s) % RING) * 128
@@ -258,7 +265,8 @@ def pool_vector(k_ptr, g_ptr, k_off, g_off, k_step, g_step,
                       HAS_RING, ROW_SELECT)
         keys = keys + (load_slot(k_ptr, k_off + s * k_step, ring_ptr, ring_row, s < n_ring, live, d,
                                  HAS_RING, ROW_SELECT),)
-        top = tl.maximum(top, slot_logit(g, ape_ptr, ape_stride, s, d))
+        logit = slot_logit(g, ape_ptr, ape_stride, s, d)
+        top = logit if s == 0 else tl.maximum(top, logit)
     acc = tl.zeros((BN, 128), tl.float32)
     den = tl.zeros((BN, 128), tl.float32)
     for s in tl.static_range(P):

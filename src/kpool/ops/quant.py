@@ -38,7 +38,7 @@ def _fwht_quant_kernel(q_ptr, q_row_stride, codes_ptr, scale_ptr, n_rows,
     r = pid * BR + tl.arange(0, BR)
     d = tl.arange(0, 128)
     live = r < n_rows
-    x = tl.load(q_ptr + r[:, None] * q_row_stride + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    x = _jit.bf16_to_f32(tl.load(q_ptr + r[:, None] * q_row_stride + d[None, :], mask=live[:, None], other=0.0))
     codes, scale = _jit.quantize(_jit.rotate(x, BR), FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)  # [BR, 128], [BR]
     tl.store(codes_ptr + r[:, None] * 128 + d[None, :], codes, mask=live[:, None])
     tl.store(scale_ptr + r, scale, mask=live)
