@@ -266,7 +266,10 @@ def pool_vector(k_ptr, g_ptr, k_off, g_off, k_step, g_step,
         keys = keys + (load_slot(k_ptr, k_off + s * k_step, ring_ptr, ring_row, s < n_ring, live, d,
                                  HAS_RING, ROW_SELECT),)
         logit = slot_logit(g, ape_ptr, ape_stride, s, d)
-        top = logit if s == 0 else tl.maximum(top, logit)
+        if s == 0:
+            top = logit
+        else:
+            top = tl.maximum(top, logit)
     acc = tl.zeros((BN, 128), tl.float32)
     den = tl.zeros((BN, 128), tl.float32)
     for s in tl.static_range(P):
