@@ -1,14 +1,13 @@
 """The prefill write of a packed chunk batch in one launch: every pool the chunks complete,
 and every request's ring.
 
-Program ``r < R`` (one per request) completes the pool the chunk started mid-way (its leading
-slots from the ring: the *head* pool), if the chunk completes it, and seeds the ring with
-the chunk's trailing tokens, in that order (a barrier between: the seeding may overwrite the
-ring slots the head pool reads); the programs after them compress the pools that lie inside
-their chunk (``BN`` pools each, all slots read from the token rows). The pool programs touch
-no ring, so the two kinds need no ordering: the request programs come first so that their
-short, dependent work runs under the pool programs' instead of after it.
-``KPoolCache.prefill`` builds the tables; arguments are trusted.
+Programs ``[0, n_pool_programs)`` compress the pools that lie inside their chunk (``BN`` pools
+each, all slots read from the token rows); one program per request then completes the
+pool the chunk started mid-way (its leading slots from the ring: the *head* pool), if the
+chunk completes it, and seeds the ring with the chunk's trailing tokens, in that order
+(a barrier between: the seeding may overwrite the ring slots the head pool reads). The pool
+programs touch no ring, so the two kinds need no ordering. ``KPoolCache.prefill`` builds the
+tables; arguments are trusted.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ _REQUEST_FIELDS = tl.constexpr(REQUEST_FIELDS)  # the same, for the kernel
 @triton.jit
 def _prefill_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_block_stride, tail_head,
                     key_ptr, key_stride, g_ptr, g_stride, ape_ptr, ape_stride,
-                    pool_ptr, n_pools, n_requests, req_ptr,
+                    pool_ptr, n_pools, n_pool_programs, req_ptr,
                     P: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr, BN: tl.constexpr,
                     PRESHUFFLE: tl.constexpr, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr,
                     ROUND_SCALE: tl.constexpr, NATIVE_FP8: tl.constexpr, KEEP: tl.constexpr,
@@ -42,8 +41,8 @@ def _prefill_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_b
     _pdl.grid_dependency_sync(PDL)
     pid = tl.program_id(0)
     d = tl.arange(0, 128)
-    if pid >= n_requests:
-        i = (pid - n_requests).to(tl.int64) * BN + tl.arange(0, BN)
+    if pid < n_pool_programs:
+        i = pid.to(tl.int64) * BN + tl.arange(0, BN)
         live = i < n_pools
         dv = tl.max_contiguous(d, 4)  # as in _compress_kernel (H200, P=4: 47.97 -> 46.37 us)
         row = tl.load(pool_ptr + i * 2, mask=live, other=0)
@@ -53,7 +52,7 @@ def _prefill_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_b
         _jit.encode_and_store(kv_ptr, kv_f32_ptr, page_stride, x, loc, live & (loc >= 0) & (loc < num_slots), dv,
                               BN, PAGE, PRESHUFFLE, FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)
     else:
-        req = req_ptr + pid.to(tl.int64) * _REQUEST_FIELDS
+        req = req_ptr + (pid - n_pool_programs).to(tl.int64) * _REQUEST_FIELDS
         one = tl.zeros((1,), tl.int64)  # [1] vectors: the pool helpers work on tiles of BN = 1 pools
         block = tl.load(req + 2)
         head_ring = tl.load(req + 6)
@@ -107,7 +106,7 @@ def write_prefill(kv_cache, tail, key, gate, ape, pools, requests, pool_size, *,
     _prefill_kernel[(programs + r,)](
         kv_cache, kv_cache.view(torch.float32), kv_cache.stride(0), kv_cache.shape[0] * kv_cache.shape[1],
         tail, tail.stride(0), tail.stride(1), key, key.stride(0), gate, gate.stride(0), ape, ape.stride(0),
-        pools, n, r, requests,
+        pools, n, programs, requests,
         P=pool_size, RING=tail.shape[2], PAGE=kv_cache.shape[1], BN=block, PRESHUFFLE=layout == "preshuffle",
         FP8_MAX=fp8_max(fp8_dtype), FNUZ=fp8_dtype == torch.float8_e4m3fnuz, ROUND_SCALE=round_scale,
         NATIVE_FP8=native_fp8(key.device, fp8_dtype), KEEP=triton.next_power_of_2(pool_size), ROW_SELECT=row_select(),
