@@ -21,7 +21,7 @@ from .ops.compress import kpool_compress_and_write_cache
 from .ops.decode import kpool_decode_update_and_maybe_write_cache_batched
 from .ops.quant import fwht128_quant_fp8, quantize_queries
 from .ops.score import paged_pool_topk
-from .ops.select import expand_pools_and_append_tail
+from .ops.select import expand_pools_and_append_tail, natural_width
 
 NAMESPACE = "kpool"
 
@@ -100,7 +100,7 @@ def pool_topk(q_fp8: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor
 @pool_topk.register_fake
 def _(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, layout, fp8_dtype, max_pools, seq_lens=None,
       pool_size=1, width=0):
-    cols = select_k if seq_lens is None else (width or select_k * pool_size + pool_size - 1)
+    cols = select_k if seq_lens is None else (width or natural_width(select_k, pool_size))
     return q_fp8.new_empty((q_fp8.shape[0] * q_fp8.shape[1], cols), dtype=torch.int32)
 
 

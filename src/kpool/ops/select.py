@@ -194,13 +194,18 @@ def _check_int(name, value, minimum=0):
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
+def natural_width(n_pools: int, pool_size: int) -> int:
+    """Token columns of ``n_pools`` expanded pools plus the longest tail: ``n_pools * P + P - 1``."""
+    return n_pools * pool_size + pool_size - 1
+
+
 def check_expansion(seq_lens, pool_size, width, rows: int, n_pools: int, device) -> int:
     """Validate the ``seq_lens [rows]``, ``pool_size`` and ``width`` of an expansion of ``n_pools``
-    pool ids per row (``expand_pools_and_append_tail``); returns ``width`` (None: the natural
-    ``n_pools * P + P - 1``)."""
+    pool ids per row (``expand_pools_and_append_tail``); returns ``width`` (None: the
+    ``natural_width``)."""
     check_pool_size(pool_size)
     check_tensor("seq_lens", seq_lens, dtype=INT_DTYPES, shape=(rows,), device=device)
-    natural = n_pools * pool_size + pool_size - 1
+    natural = natural_width(n_pools, pool_size)
     if width is None:
         return natural
     _check_int("width", width)
