@@ -61,6 +61,13 @@ def _bf16_round_kernel(x_ptr, o_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _bf16_to_f32_kernel(x_ptr, o_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    tl.store(o_ptr + i, _jit.bf16_to_f32(tl.load(x_ptr + i, mask=m, other=0.0)), mask=m)
+
+
+@triton.jit
 def _exp_kernel(x_ptr, o_ptr, n, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
@@ -212,6 +219,14 @@ def test_bf16_round_matches_torch(device):
     assert not torch.isnan(got[~nan]).any()
     # the boundary set really contains ties that round both ways
     assert (_f32_bits(want) != _f32_bits(x) & -65536).any() and (want == x).any()
+
+
+def test_bf16_to_f32_every_pattern(device):
+    """The writers' bf16 widening (one shift of the bits) is the exact conversion for all
+    65,536 bf16 patterns: subnormals, ±0, ±inf and every NaN payload keep their bits."""
+    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    got = _run_elementwise(_bf16_to_f32_kernel, x.to(device), F32).cpu()
+    assert_bytes_equal(got, x.to(F32), "bf16_to_f32 vs torch .to(float32), every bf16 pattern")
 
 
 def _pool_finish_cases():
