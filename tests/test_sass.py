@@ -35,6 +35,16 @@ def test_loops_of_a_listing():
     assert lp.opcodes["BRA"] == 1 and "@P5" not in lp.opcodes
 
 
+def test_instructions_through_the_last_exit():
+    """The count stops at the last EXIT (predicated or not): subroutines after it are not
+    the kernel's path."""
+    tail = "        /*0080*/                   MUFU.RCP R2, R3 ;\n        /*0090*/                   RET.REL.NODEC R4 0x0 ;\n"
+    assert sass.to_last_exit(SNIPPET) == 8
+    assert sass.to_last_exit(SNIPPET + tail) == 8
+    assert sass.to_last_exit(SNIPPET.replace("EXIT ;", "@!P1 EXIT ;") + tail) == 8
+    assert sass.to_last_exit("        /*0000*/                   NOP ;\n") == 1
+
+
 def test_assignments():
     assert sass.parse_assignments("FILTER=True,H=32,ERROR=0.5,x=abc") == dict(FILTER=True, H=32, ERROR=0.5,
                                                                                x="abc")

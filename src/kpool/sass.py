@@ -5,7 +5,9 @@ came from it: benchmarks/NOTES.md). It takes one job of ``kpool.aot``'s compile 
 launchers' constexprs and options), optionally changes some constexprs or the register cap,
 compiles it with the triton wheel's own tools (no GPU) and reports:
 
-* registers, spill stores / loads, stack and shared memory (``cuobjdump -res-usage``);
+* registers, spill stores / loads, stack and shared memory (``cuobjdump -res-usage``), and the
+  instruction count, all and through the last ``EXIT`` (without subroutines such as
+  ``div_rn``'s slow path);
 * every loop of the SASS (a backward branch): its instruction count (per warp per
   iteration) and commonest opcodes, and the memory instructions in it by kind and width
   (``LDS.U16`` vs ``LDS.128``, ``LDGSTS``, ``BAR``, ``HGMMA``, ...);
@@ -127,6 +129,14 @@ def _opcode(text: str) -> str:
     return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0]
 
 
+def to_last_exit(sass: str) -> int:
+    """Instructions from the start through the last ``EXIT``: the kernel's own code, without
+    the subroutines placed after it (e.g. ``div_rn``'s slow path, reached by ``CALL``)."""
+    ops = [_opcode(t) for _, t in instructions(sass)]
+    exits = [i for i, op in enumerate(ops) if op == "EXIT"]
+    return exits[-1] + 1 if exits else len(ops)
+
+
 def loops(sass: str) -> list:
     """Every backward branch's loop body, innermost first as they appear (``Loop``)."""
     ins = instructions(sass)
@@ -153,7 +163,8 @@ def report(job: aot.AotJob, sass: str, usage: dict, ptx: str, shared: int) -> st
              "options: " + ", ".join(f"{k}={v}" for k, v in sorted(job.options.items())),
              f"registers {usage.get('registers', '?')}, stack {usage.get('stack', '?')} B, shared {shared} B "
              f"(launch), spill stores {sum(op.startswith('STL') for op in ops)}, spill loads "
-             f"{sum(op.startswith('LDL') for op in ops)}, {len(ops)} instructions"]
+             f"{sum(op.startswith('LDL') for op in ops)}, {len(ops)} instructions ({to_last_exit(sass)} through "
+             "the last EXIT)"]
     waits = collections.Counter(re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx))
     if waits:
         lines.append("cp.async.wait_group: " + ", ".join(f"{n} x {k}" for k, n in sorted(waits.items())))
