@@ -6,7 +6,8 @@ PAGE = 64 pool entries per page, e4m3fn, plain layout.
 Cases:
 
 * ``decode``: ``B`` requests, one query each at the last position of a ``ctx``-token
-  context (``ctx / P`` visible pools on randomly permuted pages). ``ours`` is
+  context (``ctx / P`` visible pools on randomly permuted pages); a ``ctx=LO-HI`` case spreads
+  the requests' contexts evenly from ``LO`` to ``HI`` tokens (a serving batch of mixed lengths). ``ours`` is
   ``kpool.cache.score_and_select`` (query rotation + fp8, head-weight folding, the fused
   ``paged_pool_topk`` (scores and selects without a logits row in memory),
   ``expand_pools_and_append_tail``: the device part of ``KPoolCache.topk_indices`` for a
@@ -54,7 +55,7 @@ _FP8_MM = {}
 
 def cases(mode):
     if mode == "dry":
-        dec = [(2, 1024, 1), (1, 512, 2)]
+        dec = [(2, 1024, 1), (1, 512, 2), (3, (256, 1024), 1)]
         pre = [(8, 96)]
         rag = [(8, 300)]
         topk = 64
@@ -64,12 +65,13 @@ def cases(mode):
         rag = [(1024, 32768)]
         topk = 2048
     else:
-        dec = [(32, 131072, 1), (128, 1048576, 1), (1, 131072, 1)]
+        dec = [(32, 131072, 1), (128, 1048576, 1), (1, 131072, 1), (32, (4096, 131072), 1)]
         pre = [(8192, 32768)]
         rag = [(1024, 32768)]
         topk = 2048
-    out = [{"label": f"decode B={b} ctx={_k(c)}" + (f" n={n}" if n > 1 else ""), "kind": "decode", "batch": b,
-            "ctx": c, "next_n": n, "rows": b * n, "index_topk": topk, "P": P, "heads": HEADS} for b, c, n in dec]
+    out = [{"label": f"decode B={b} ctx={_ctx_label(c)}" + (f" n={n}" if n > 1 else ""), "kind": "decode",
+            "batch": b, "ctx": c[1] if isinstance(c, tuple) else c, "ctx_lo": c[0] if isinstance(c, tuple) else None,
+            "next_n": n, "rows": b * n, "index_topk": topk, "P": P, "heads": HEADS} for b, c, n in dec]
     out += [{"label": f"prefill q={q} pools={n}", "kind": "prefill", "queries": q, "pools": n, "rows": q,
              "index_topk": topk,
              "P": P, "heads": HEADS} for q, n in pre]
@@ -82,6 +84,18 @@ def _k(n):
     return f"{n // 1048576}M" if n >= 1048576 and n % 1048576 == 0 else (f"{n // 1024}K" if n >= 1024 else str(n))
 
 
+def _ctx_label(c):
+    return f"{_k(c[0])}-{_k(c[1])}" if isinstance(c, tuple) else _k(c)
+
+
+def contexts(b, c, lo=None):
+    """Context tokens of the ``b`` requests: all ``c``, or evenly spread from ``lo`` to ``c``
+    (multiples of ``P``), int64 ``[b]``."""
+    if lo is None or b == 1:
+        return torch.full((b,), c, dtype=torch.int64)
+    return torch.linspace(lo, c, b, dtype=torch.float64).long() // P * P
+
+
 def impls(case):
     return ["ours", "torch"]
 
@@ -90,6 +104,8 @@ def targets(case):
     if case["kind"] != "decode":
         return []
     b, c = case["batch"], case["ctx"]
+    if case.get("ctx_lo") is not None:
+        return []
     if (b, c) in ((32, 131072), (128, 1048576)):
         return [{"impl": "ours", "kind": "min_frac_copy", "value": 0.5, "text": "<=2x floor"}]
     if (b, c) == (1, 131072):
@@ -110,23 +126,24 @@ def make_kv(ctx, num_pages, seed):
     return kv
 
 
-def make_decode(ctx, b, c, nn, i):
+def make_decode(ctx, b, c, nn, i, lo=None):
     base = 7907 * i + b + c
     dev = ctx.device
     pools = c // P
     pages_per = -(-pools // PAGE)
     num_pages = b * pages_per
     pt = ctx.randperm(num_pages, base + 1).view(b, pages_per).to(torch.int32)
-    pos = (c - nn + torch.arange(nn, device=dev, dtype=torch.int32)).expand(b, nn).contiguous()
+    last = contexts(b, c, lo).to(dev)[:, None] - nn  # each request's first query position
+    pos = (last + torch.arange(nn, device=dev)[None, :]).to(torch.int32).contiguous()
     return (ctx.randn((b, nn, HEADS, HEAD), base + 2, scale=2.0), ctx.randn((b, nn, HEADS), base + 3,
                                                                                 dtype=torch.float32),
             make_kv(ctx, num_pages, base + 4), pt, pos)
 
 
-def decode_bytes(b, c, nn, width):
-    pools = c // P
-    return (b * nn * pools * ENTRY + b * nn * HEADS * (HEAD * 2 + 4) + b * (-(-pools // PAGE)) * 4
-            + b * nn * width * 4)
+def decode_bytes(b, c, nn, width, lo=None):
+    pools = contexts(b, c, lo) // P  # visible pools per request (every query row of a step sees about as many)
+    return int(nn * pools.sum() * ENTRY + b * nn * HEADS * (HEAD * 2 + 4) + (-(-pools // PAGE)).sum() * 4
+               + b * nn * width * 4)
 
 
 # ----------------------------------------------------------------------------- implementations
@@ -198,22 +215,22 @@ def _reference_decode(q, w, kv, pt, pos, topk):
 
 
 def _bench_decode(ctx, case, impl):
-    b, c, nn, topk = case["batch"], case["ctx"], case["next_n"], case["index_topk"]
+    b, c, nn, topk, lo = case["batch"], case["ctx"], case["next_n"], case["index_topk"], case.get("ctx_lo")
     fn = _ours_decode(case) if impl == "ours" else _torch_decode(case)
     extra = {}
     if impl == "ours" and ctx.check:
         cb, cc = min(b, 4), min(c, 131072)  # 4 x 128K: long rows, filtered like the case (score.filters)
-        a = make_decode(ctx, cb, cc, nn, 99)
+        a = make_decode(ctx, cb, cc, nn, 99, lo and min(lo, cc))
         got = _ours_decode(dict(case, ctx=cc))(*a).cpu()
         want = _reference_decode(*ctx.cpu(*a), topk)
         same = bool(torch.equal(got, want))
         extra.update(exact=same, exact_note=f"indices of {cb} requests at ctx {cc} vs the torch reference on the CPU"
                                             f"{'' if same else ': ' + str(int((got != want).sum())) + ' differ'}")
-    nbytes = decode_bytes(b, c, nn, topk + P - 1)
+    nbytes = decode_bytes(b, c, nn, topk + P - 1, lo)
     extra["floor_note"] = "pooled cache bytes read once (+ queries, weights, page table, indices: <1%)"
     if impl == "torch":
         extra["note"] = "plain torch path (dequantize, matmul, relu, head sum, torch.topk), eager"
-    return ctx.run(fn, lambda i: make_decode(ctx, b, c, nn, i), bytes=nbytes, graph=impl == "ours", **extra)
+    return ctx.run(fn, lambda i: make_decode(ctx, b, c, nn, i, lo), bytes=nbytes, graph=impl == "ours", **extra)
 
 
 # ----------------------------------------------------------------------------- prefill

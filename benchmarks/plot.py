@@ -17,7 +17,7 @@ from pathlib import Path
 SIZE_KEY = {"compress": "pools", "prefill": "tokens", "decode": "batch", "expand": "rows", "seed_tail": "tokens",
             "score": "rows", "fp8": "pools"}
 # parameters that tell one line from another (the rest follow from them and the size)
-LINE_KEYS = {"decode": ("P", "next_n"), "seed_tail": ("P", "requests"), "score": ("kind", "ctx", "pools")}
+LINE_KEYS = {"decode": ("P", "next_n"), "seed_tail": ("P", "requests"), "score": ("kind", "ctx", "ctx_lo", "pools")}
 STYLE = {"ours": ("tab:blue", "-"), "ours_ring2P": ("tab:cyan", "-"), "ours_per_request": ("tab:blue", "-"),
          "ours_gathered": ("tab:purple", "-."), "seed": ("tab:red", "--"), "seed_upstream": ("tab:orange", "--"),
          "torch": ("tab:gray", ":")}
