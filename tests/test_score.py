@@ -190,10 +190,11 @@ def test_exactness_run_scoring_check_counts_differences(device, monkeypatch):
 # --------------------------------------------------------------------------------------------
 
 # leaves of 128 pools that keep all their keys (select_k 128), up to 18 per row; row lengths:
-# two long rows, a short one whose bound rank exceeds HEAD (every pool survives), padding, a
-# row under select_k, one at it
+# two long rows (bound rank at most HEAD), a short one whose bound rank exceeds POSITION_KEYS
+# (every pool survives), padding, one of 5 full leaves (rank 26: their position keys bound it),
+# one at select_k
 FILTER_CASE = dict(batch=2, next_n=3, page=64, pages_per=36, select_k=128,
-                   lens=[2304, 2303, 300, 0, 1500, 128])
+                   lens=[2304, 2303, 200, 0, 700, 128])
 
 
 @pytest.fixture
@@ -243,9 +244,11 @@ def test_filter_survivors_reach_the_union_of_the_leaf_heads(device, monkeypatch,
     best of the ``HEAD`` lower keys all its wholly visible leaves wrote and above the next one
     (``_union_bound_kernel``'s radix stops at the floor of the bucket that holds exactly the
     keys still needed; its heads held in registers, or streamed 64 at a time; or of leaves of
-    2 x KB pools, ``score.wide_plan``); a row whose bound rank exceeds ``HEAD`` keeps every
-    visible pool. Each leaf's heads (``store_leaf_bounds``) are sorted, from pools of the leaf
-    at distinct tile positions, each at or below the pool's exact key."""
+    2 x KB pools, ``score.wide_plan``); of their ``POSITION_KEYS`` position keys when the bound
+    rank exceeds ``HEAD``; a row whose bound rank exceeds ``POSITION_KEYS`` keeps every visible
+    pool. Each leaf's heads (``store_leaf_bounds``) are sorted, from pools of the leaf at
+    distinct tile positions, each at or below the pool's exact key; its position keys are one
+    per tile position."""
     monkeypatch.setenv("KPOOL_BACKEND", "triton")
     monkeypatch.setenv(score.SCORER_ENV, "filter")
     if heads_in == "streamed":
@@ -271,27 +274,31 @@ def test_filter_survivors_reach_the_union_of_the_leaf_heads(device, monkeypatch,
     wide = heads_in == "wide leaves"  # wide_plan asks score.filters too
     assert filtered and filter_choices == [True] * 2 * (1 + wide) and chunk == 128 * (1 + wide)  # ids, tokens
     head, no_upper, no_key = (int(getattr(c, "value", c)) for c in (topk.HEAD, topk.NO_UPPER, topk.NO_KEY))
-    codes = cand.view(torch.int32)[..., 2 * head: 2 * head + chunk].to(torch.int64)  # [rows, lists, chunk]
+    pk = topk.POSITION_KEYS
+    assert cand.shape[2] == topk.list_size(chunk, topk.key_block(select_k), True)
+    codes = cand.view(torch.int32)[..., 2 * (head + pk): 2 * (head + pk) + chunk].to(torch.int64)  # [rows, lists, chunk]
     ids = torch.arange(codes.shape[1] * chunk).view(codes.shape[1], chunk)
     upper = torch.where(codes == no_upper, no_key, codes * 2**32 + (2**32 - 1 - ids))
-    checked = 0
+    checked = []
     for r, vis in enumerate(lens.clamp(0, n_cols).tolist()):
         if vis <= select_k:
             continue
         full = vis // chunk
         rank = -(-select_k // max(full, 1))
         keys = upper[r].flatten()[:vis]
-        if rank <= head and full * head >= select_k:
-            heads = cand[r, :full, :head]
-            assert torch.equal(heads, heads.sort(dim=1, descending=True).values), f"row {r}"
+        if rank <= pk and full * pk >= select_k:
+            n = head if rank <= head else pk
+            heads = cand[r, :full, :head] if rank <= head else cand[r, :full, head:head + pk]
+            if rank <= head:
+                assert torch.equal(heads, heads.sort(dim=1, descending=True).values), f"row {r}"
             pools = 2**32 - 1 - (heads & (2**32 - 1))
-            assert torch.equal(pools // chunk, torch.arange(full)[:, None].expand(-1, head)), f"row {r}"
+            assert torch.equal(pools // chunk, torch.arange(full)[:, None].expand(-1, n)), f"row {r}"
             tile_pos = (pools % score.BLOCK_POOLS).sort(dim=1).values
-            assert (tile_pos[:, 1:] > tile_pos[:, :-1]).all(), f"row {r}"
+            assert (tile_pos[:, 1:] > tile_pos[:, :-1]).all(), f"row {r}"  # all positions, for the position keys
             assert (heads <= exact[r, pools]).all(), f"row {r}"
             best = heads.flatten().sort(descending=True).values
             low = best[select_k] if best.numel() > select_k else no_key  # the radix bound: in (low, best[k - 1]]
-            checked += 1
+            checked.append("heads" if rank <= head else "positions")
         else:
             best, low = None, no_key  # every visible pool survives
         kept = surv[r, :int(count[r])]
@@ -300,8 +307,9 @@ def test_filter_survivors_reach_the_union_of_the_leaf_heads(device, monkeypatch,
         assert set(kept.tolist()) == set(keys[keys >= floor].tolist()) and floor > low, f"row {r}"
         if best is not None:  # with the pools of the select_k best heads (their upper keys are above them)
             assert set(keys[keys >= best[select_k - 1]].tolist()) <= set(kept.tolist()), f"row {r}"
-    # rows of 18, 17 and 11 full leaves (rank 8, 8, 12); wide: 9, 8 and 5 (rank 15, 16, 26)
-    assert checked == (2 if wide else 3)
+    # rows of 18, 17 and 5 full leaves (rank 8, 8, 26), and 1 (rank 128: every pool survives);
+    # wide: 9, 8 and 2 (rank 15, 16, 64), and none
+    assert checked == ["heads", "heads", "positions"]
 
 
 def test_wide_plan_doubles_filtering_leaves_of_long_rows(monkeypatch):

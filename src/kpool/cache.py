@@ -493,10 +493,10 @@ def logits_budget_bytes() -> int:
     return max(1, int(mib * (1 << 20)))
 
 
-# paged_pool_topk's scratch per row and pool: the leaves' key lists (8 * (HEAD + min(chunk, KB))
-# bytes per leaf of chunk >= MIN_CHUNK = 128 pools: at most 9 per pool) and at most 8 bytes of
-# survivors (topk.threshold_select)
-SCRATCH_BYTES_PER_POOL = 17
+# paged_pool_topk's scratch per row and pool: the leaves' key lists (8 * (HEAD + POSITION_KEYS +
+# min(chunk, KB)) bytes per filtering leaf of chunk >= MIN_CHUNK = 128 pools: at most 13 per pool)
+# and at most 8 bytes of survivors (topk.threshold_select)
+SCRATCH_BYTES_PER_POOL = 21
 
 
 def _plan_chunks(items, budget, pool_size):

@@ -30,8 +30,10 @@ or truncating, stays within ``2^-16`` of it; the H200's fp16 MMA measured ``2^-2
 ``python -m kpool.exactness --ops score`` (32 x 65,536 pools, H 32 and 64, both formats and
 layouts) is exact there (benchmarks/NOTES.md). A NaN key or query code reaches the approximate
 logit through the MMA (IEEE propagation; ``test_score``'s NaN key codes check it on each GPU)
-and makes the pool a survivor (``logits.bound_keys``). Rows of the same launch that are too short
-for the bound keep every pool as a survivor (all rescored exactly).
+and makes the pool a survivor (``logits.bound_keys``). Shorter rows of the same launch take their
+bound from all their leaves' tile-position maxima (``topk.POSITION_KEYS`` lower keys per leaf,
+when those hold ``select_k``: at select_k 512, from 8 leaves); rows shorter still keep every pool
+as a survivor (all rescored exactly).
 """
 
 from __future__ import annotations
@@ -121,7 +123,7 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
             keys = tl.full((BN, ROWS), topk.NO_KEY, tl.int64)  # INT64_MIN = not seen
             q16, q_l1 = query_values(q)
             err = logit_error_scale(w, q_l1, H, ROWS, FP8_MAX, ERROR)  # [ROWS]
-            lists = topk.leaf_list(cand_ptr, safe_rows * n_chunks + chunk, NT * BN, KB)
+            lists = topk.leaf_list(cand_ptr, safe_rows * n_chunks + chunk, NT * BN, KB, FILTER)
         else:
             keys = tl.full((NT, BN, ROWS), topk.NO_KEY, tl.int64)
             tiles = tl.arange(0, NT)
@@ -160,7 +162,7 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
         for r in tl.static_range(ROWS):
             if t0 + r < next_n:
                 row = b * next_n + t0 + r
-                lst = topk.leaf_list(cand_ptr, row * n_chunks + chunk, NT * BN, KB)
+                lst = topk.leaf_list(cand_ptr, row * n_chunks + chunk, NT * BN, KB, FILTER)
                 n_row = tl.max(tl.where(rr == r, n_vis, 0))
                 if FILTER:
                     mine = tl.max(tl.where(rr[None, :] == r, keys, topk.NO_KEY), axis=1)  # [BN]
@@ -337,8 +339,7 @@ def paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, *
     q8 = q_fp8.view(torch.uint8)
     rows_per_prog = query_rows(next_n)
 
-    def launch_leaves(cand, count, chunk, n_chunks, kb, final):
-        filtered = not final and filters(chunk, kb, n_chunks, limit, select_k)
+    def launch_leaves(cand, count, chunk, n_chunks, kb, final, filtered):
         _paged_topk_kernel[(batch * triton.cdiv(next_n, rows_per_prog), n_chunks)](
             q8, q8.stride(0), q8.stride(1), q8.stride(2), weights, weights.stride(0), weights.stride(1),
             weights.stride(2), lens, lens.stride(0), page_table, page_table.stride(0), page_table.stride(1),
@@ -350,7 +351,6 @@ def paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, *
             STAGES=pipeline_stages(filtered), **topk.expansion_args(expand, select_k, lens),
             **launch_options(device, filtered, rows_per_prog, heads), **pdl_launch(device),
         )
-        return filtered
 
     def refine(surv, count):
         _refine_kernel[(rows, refine_programs(rows, select_k, device))](
@@ -363,5 +363,6 @@ def paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, *
         )
 
     topk.select_by_leaves(out, lens, limit, select_k, launch_leaves, BLOCK_POOLS, refine,
-                          plan=wide_plan(rows, limit, select_k, device), expand=expand)
+                          plan=wide_plan(rows, limit, select_k, device), expand=expand,
+                          filtering=lambda chunk, kb, n_chunks: filters(chunk, kb, n_chunks, limit, select_k))
     return out

@@ -23,14 +23,16 @@ Kernels:
    most ``HEAD``, its ``HEAD`` best sorted (``tl.topk(keys, HEAD)``, far cheaper than a sort)
    followed by all its keys unsorted; else its ``KW`` best sorted after ``HEAD`` unused slots.
    A filtering leaf (``ops/score.py``) writes ``HEAD`` lower keys (the best of its tile
-   positions' maxima, ``store_leaf_bounds``), then the upper bounds of all its pools as int32
-   codes (``store_upper_bounds``: the ids are the positions).
+   positions' maxima, ``store_leaf_bounds``), or for a row of fewer leaves all
+   ``POSITION_KEYS`` maxima after them, then the upper bounds of all its pools as int32 codes
+   (``store_upper_bounds``: the ids are the positions).
 2. rows with several leaves, without merging the lists (``threshold_select``):
    ``_survivors_kernel`` (programs per (row, group of lists)) computes a lower bound of the
    row's ``select_k``-th best key (``_row_bound``: the ``cdiv(select_k, n_full)``-th key of
    every wholly visible leaf's list; at least ``select_k`` keys are at or above the smallest;
    for filtering leaves, ``_union_bound_kernel``'s tighter ``select_k``-th best of all those
-   leaves' ``HEAD`` lower keys, one program per row, radix passes over the heads in registers)
+   leaves' ``HEAD`` lower keys, or of their position keys, one program per row, radix passes
+   over the heads in registers)
    and appends the keys at or above it to a survivor buffer (offsets from an atomic counter:
    the order varies, the set does not). ``_threshold_select_kernel`` then writes the
    ``select_k`` best survivors' ids, sorted, in one of two ways. A row with at most
@@ -79,6 +81,9 @@ UNION_RESIDENT_KEYS = 8192  # heads _union_bound_kernel keeps in registers for a
 PROGRAMS_PER_SM = 2  # leaf grid target when choosing the leaf size
 MIN_KB = 16  # tl.topk / tl.arange below 16 keys do not lower on every target
 HEAD = tl.constexpr(MIN_KB)  # sorted best keys ahead of an unsorted leaf list (module docstring, 1.)
+POSITION_KEYS = 64  # a filtering leaf's tile-position maxima (score.BLOCK_POOLS) kept after its HEAD: they
+#                     bound rows whose rank is above HEAD (store_leaf_bounds) ...
+PK = tl.constexpr(POSITION_KEYS)  # ... the same, for the kernels
 COUNT_BITS = 27  # bits of each count _pick_digit packs into an int64 with its digit ...
 MAX_SURVIVORS = 1 << COUNT_BITS  # ... so a row keeps fewer survivor keys than this
 _COUNT_SHIFT, _DIGIT_SHIFT = tl.constexpr(COUNT_BITS), tl.constexpr(2 * COUNT_BITS)
@@ -187,12 +192,22 @@ def _unsorted_list(rank, CHUNK: tl.constexpr, KW: tl.constexpr):
 
 
 @triton.jit
-def leaf_list(cand_ptr, index, CHUNK: tl.constexpr, KB: tl.constexpr):
+def list_slots(KW: tl.constexpr, FILTER: tl.constexpr):
+    """int64 slots of a leaf list keeping ``KW`` keys (``list_size``): ``HEAD``, the ``PK``
+    position keys of a filtering list (``FILTER``), then ``KW``."""
+    if FILTER:
+        return HEAD + PK + KW
+    else:
+        return HEAD + KW
+
+
+@triton.jit
+def leaf_list(cand_ptr, index, CHUNK: tl.constexpr, KB: tl.constexpr, FILTER: tl.constexpr = False):
     """Pointer to leaf list ``index`` (row * n_chunks + chunk) of ``cand_ptr`` (``list_size`` keys each)."""
     if CHUNK < KB:
-        return cand_ptr + index * (HEAD + CHUNK)
+        return cand_ptr + index * list_slots(CHUNK, FILTER)
     else:
-        return cand_ptr + index * (HEAD + KB)
+        return cand_ptr + index * list_slots(KB, FILTER)
 
 
 @triton.jit
@@ -224,18 +239,23 @@ def store_leaf(keys, cand_ptr, out_ptr, n_vis, select_k, CHUNK: tl.constexpr, KB
 @triton.jit
 def store_leaf_bounds(lower, cand_ptr, n_vis, select_k, CHUNK: tl.constexpr, KB: tl.constexpr):
     """A filtering leaf's list head (``FILTER``, a leaf that keeps all its keys): from
-    ``lower [BN]``, each tile position's best lower key over the leaf's tiles (a lower key of a
-    distinct pool each), the ``HEAD`` best, sorted; when the row's bound rank is above ``HEAD``
-    they are not written (the row then bounds nothing). Any lower keys of distinct pools bound
-    the row (at least ``select_k`` pools score at or above the ``select_k``-th best of them);
-    these per-position maxima of leaves of 512 give a bound ranked ~530th among the lower keys
-    where the leaf's 512 would give the 512th (random scores), for a topk over ``BN`` keys
-    instead of ``CHUNK``. The list's other ``CHUNK`` slots hold all its *upper* bounds unsorted,
-    stored tile by tile (``store_upper_bounds``)."""
+    ``lower [PK]``, each tile position's best lower key over the leaf's tiles (a lower key of a
+    distinct pool each), the ``HEAD`` best, sorted, when the row's bound rank is at most
+    ``HEAD``; else, when it is at most ``PK``, all ``PK`` of them after the ``HEAD`` slots,
+    unsorted (rows of a few leaves, e.g. 8 to 31 at select_k 512); else nothing (the row then
+    bounds nothing). Any lower keys of distinct pools bound the row (at least ``select_k``
+    pools score at or above the ``select_k``-th best of them); these per-position maxima of
+    leaves of 512 give a bound ranked ~530th among the lower keys where the leaf's 512 would
+    give the 512th (random scores), for a topk over ``PK`` keys instead of ``CHUNK``. The
+    list's last slots hold all its *upper* bounds unsorted, stored tile by tile
+    (``store_upper_bounds``)."""
     tl.static_assert((CHUNK <= 2 * KB) and (CHUNK >= HEAD), "a filtering leaf's list holds all its bounds")
+    tl.static_assert(lower.shape[0] == PK, "one position key per tile position")
     _, rank = _bound_rank(n_vis, CHUNK, select_k)
     if _unsorted_list(rank, CHUNK, CHUNK):
         tl.store(cand_ptr + tl.arange(0, HEAD), tl.topk(lower, HEAD))
+    elif rank <= PK:
+        tl.store(cand_ptr + HEAD + tl.arange(0, PK), lower)
 
 
 @triton.jit
@@ -251,7 +271,7 @@ def store_upper_bounds(lists, i, upper, live, BN: tl.constexpr):
     """Tile ``i``'s ``upper_codes`` ``[BN, R]`` into the unsorted part of the leaf lists
     ``lists`` ``[R]`` (``leaf_list`` pointers of R rows, int64 slots holding two codes each;
     rows not ``live [R]`` untouched)."""
-    slots = lists.to(tl.pointer_type(tl.int32)) + 2 * HEAD
+    slots = lists.to(tl.pointer_type(tl.int32)) + 2 * (HEAD + PK)
     tl.store(slots[None, :] + i * BN + tl.arange(0, BN)[:, None], upper, mask=live[None, :])
 
 
@@ -261,7 +281,7 @@ def _upper_keys(lists, lst, mask, CHUNK: tl.constexpr):
     ``mask [L, 1]``) of the upper bounds that ``store_upper_bounds`` wrote to the lists
     ``lists [L, 1]`` of leaves ``lst [L, 1]`` (list ``l`` holds pools ``l * CHUNK + c``)."""
     c = tl.arange(0, CHUNK)[None, :]
-    code = tl.load(lists.to(tl.pointer_type(tl.int32)) + 2 * HEAD + c, mask=mask, other=NO_UPPER)
+    code = tl.load(lists.to(tl.pointer_type(tl.int32)) + 2 * (HEAD + PK) + c, mask=mask, other=NO_UPPER)
     return tl.where(code == NO_UPPER, NO_KEY, _rank_key(code, lst.to(tl.int64) * CHUNK + c))
 
 
@@ -413,7 +433,7 @@ def _row_bound_slot(n_vis, select_k, CHUNK: tl.constexpr, KW: tl.constexpr, FILT
 def _row_bound(base, n_vis, select_k, CHUNK: tl.constexpr, KW: tl.constexpr, LB: tl.constexpr,
                FILTER: tl.constexpr):
     """A lower bound of a row's ``select_k``-th best key from its leaf lists at ``base``
-    (``store_leaf``, ``HEAD + KW`` keys each, leaves of ``CHUNK`` pools; int64 scalar; with
+    (``store_leaf``, ``list_slots`` keys each, leaves of ``CHUNK`` pools; int64 scalar; with
     ``FILTER`` the ``KW`` slots hold the ``CHUNK <= 2 * KW`` upper codes). The
     first ``full`` lists come from wholly visible leaves and hold ``KW`` keys each; when their
     ``rank``-th keys exist (``_bound_rank``), at least ``select_k`` keys are ``>=`` the
@@ -421,7 +441,8 @@ def _row_bound(base, n_vis, select_k, CHUNK: tl.constexpr, KW: tl.constexpr, LB:
     heads are lower bounds, and a row whose heads were not written bounds nothing."""
     full, bound, at = _row_bound_slot(n_vis, select_k, CHUNK, KW, FILTER)
     lst = tl.arange(0, LB)
-    heads = tl.load(base + lst * (HEAD + KW) + at, mask=lst < tl.where(bound, full, 0), other=9223372036854775807)
+    heads = tl.load(base + lst * list_slots(KW, FILTER) + at, mask=lst < tl.where(bound, full, 0),
+                    other=9223372036854775807)
     return tl.where(bound, tl.min(heads), NO_KEY)
 
 
@@ -435,12 +456,12 @@ def _survivors_kernel(cand_ptr, n_lists, lens_ptr, lens_stride, n_cols, surv_ptr
     # slots) to surv[row], at offsets claimed with an atomic on count[row]. The order of the
     # survivors depends on the schedule; what follows only counts and sorts them.
     row = tl.program_id(0).to(tl.int64)
-    base = cand_ptr + row * n_lists * (HEAD + KW)
+    base = cand_ptr + row * n_lists * list_slots(KW, FILTER)
     lst = tl.program_id(1) * LG + tl.arange(0, LG)
     if FILTER:  # all CHUNK pools' upper codes (two per slot), loaded with the row's length and bound
         tl.static_assert((CHUNK >= KW) and (CHUNK <= 2 * KW), "a filtering leaf keeps all its bounds")
-        key = tl.reshape(_upper_keys(base + lst[:, None] * (HEAD + KW), lst[:, None], (lst < n_lists)[:, None],
-                                     CHUNK), (LG * CHUNK,))
+        key = tl.reshape(_upper_keys(base + lst[:, None] * list_slots(KW, FILTER), lst[:, None],
+                                     (lst < n_lists)[:, None], CHUNK), (LG * CHUNK,))
         lo = tl.load(bound_ptr + row)
         surv_row = surv_ptr + row * n_lists * CHUNK
     n_vis = visible_pools(lens_ptr, row * lens_stride, n_cols)
@@ -464,14 +485,16 @@ def _union_bound_kernel(cand_ptr, n_lists, lens_ptr, lens_stride, n_cols, bound_
     _pdl.grid_dependency_sync(PDL)
     # Program (row): the row bound of filtering leaves (store_leaf_bounds) -> bound[row]: the
     # select_k-th best of the HEAD lower keys (distinct pools) of all its wholly visible leaves (at least
-    # select_k pools score at or above it), when they hold select_k keys; else _row_bound's.
-    # Lists of HEAD + KW slots (the CHUNK <= 2 * KW upper codes after the heads).
+    # select_k pools score at or above it), when they hold select_k keys; else (a row of fewer
+    # leaves) the select_k-th best of their PK position keys, when they hold select_k; else NO_KEY.
+    # Lists of list_slots(KW, True) slots (the CHUNK <= 2 * KW upper codes after the heads).
     row = tl.program_id(0).to(tl.int64)
-    base = cand_ptr + row * n_lists * (HEAD + KW)
+    slots: tl.constexpr = HEAD + PK + KW  # list_slots(KW, True)
+    base = cand_ptr + row * n_lists * slots
     lst = tl.arange(0, LB)
     if RESIDENT:  # every list's heads (some unwritten: masked below), loaded with the row's length
         c = tl.arange(0, HEAD)[None, :]
-        heads = tl.load(base + lst[:, None] * (HEAD + KW) + c, mask=(lst < n_lists)[:, None], other=NO_KEY)
+        heads = tl.load(base + lst[:, None] * slots + c, mask=(lst < n_lists)[:, None], other=NO_KEY)
     n_vis = visible_pools(lens_ptr, row * lens_stride, n_cols)
     full, bound, at = _row_bound_slot(n_vis, select_k, CHUNK, KW, True)
     if RESIDENT:  # _row_bound's, from the loaded heads
@@ -480,12 +503,25 @@ def _union_bound_kernel(cand_ptr, n_lists, lens_ptr, lens_stride, n_cols, bound_
         top = tl.max(tl.where(listed & (c == 0), heads, NO_KEY))  # each list's heads are sorted
     else:
         lo = _row_bound(base, n_vis, select_k, CHUNK, KW, LB, True)
-        top = tl.max(tl.load(base + lst * (HEAD + KW), mask=lst < tl.where(bound, full, 0), other=NO_KEY))
+        top = tl.max(tl.load(base + lst * slots, mask=lst < tl.where(bound, full, 0), other=NO_KEY))
     cnt = (full * HEAD).to(tl.int32)
     if (n_vis > select_k) & bound & (cnt >= select_k):
         # lo (the smallest full leaf's rank-th head) is at or below the answer: a bucket floor
         kth = lo.to(tl.uint64, bitcast=True) + _radix_threshold(base, cnt, lo, top, select_k, BLOCK, BITS, HEAD,
-                                                                 HEAD + KW, RESIDENT)
+                                                                 slots, RESIDENT)
+        lo = kth.to(tl.int64, bitcast=True)
+    elif (n_vis > select_k) & (full * PK >= select_k) & ~bound:
+        # the full leaves' position keys (unsorted): their smallest is a bucket floor
+        cnt = (full * PK).to(tl.int32)
+        lo = tl.full((), 9223372036854775807, tl.int64)
+        top = tl.full((), NO_KEY, tl.int64)
+        for start in range(0, cnt, BLOCK):
+            i = start + tl.arange(0, BLOCK)
+            key = tl.load(_key_at(base + HEAD, i, PK, slots), mask=i < cnt, other=NO_KEY)
+            lo = tl.minimum(lo, tl.min(tl.where(i < cnt, key, 9223372036854775807)))
+            top = tl.maximum(top, tl.max(key))
+        kth = lo.to(tl.uint64, bitcast=True) + _radix_threshold(base + HEAD, cnt, lo, top, select_k, BLOCK, BITS,
+                                                                 PK, slots, False)
         lo = kth.to(tl.int64, bitcast=True)
     tl.store(bound_ptr + row, lo)
 
@@ -595,9 +631,10 @@ def plan_leaves(rows: int, n_cols: int, select_k: int, device, granule: int = 1)
     return chunk, triton.cdiv(n_cols, chunk)
 
 
-def list_size(chunk: int, kb: int) -> int:
-    """int64 keys of a leaf list (``store_leaf``): ``HEAD`` slots, then ``min(chunk, KB)`` keys."""
-    return MIN_KB + min(chunk, kb)  # HEAD as a Python int
+def list_size(chunk: int, kb: int, filtered: bool = False) -> int:
+    """int64 keys of a leaf list (``store_leaf``; ``list_slots``): ``HEAD`` slots, the
+    ``POSITION_KEYS`` of a ``filtered`` list, then ``min(chunk, KB)`` keys."""
+    return MIN_KB + (POSITION_KEYS if filtered else 0) + min(chunk, kb)  # HEAD as a Python int
 
 
 def expansion_args(expand, select_k: int, dummy) -> dict:
@@ -615,29 +652,31 @@ def expansion_args(expand, select_k: int, dummy) -> dict:
 
 
 def select_by_leaves(out, lens, n_cols, select_k, launch_leaves, granule: int = 1, refine=None,
-                     plan=None, expand=None) -> None:
+                     plan=None, expand=None, filtering=None) -> None:
     """Each row's selection into ``out [rows, select_k]`` int32 (``[rows, width]`` tokens with
     ``expand``: ``expansion_args``): leaves, then (several leaves per row) ``threshold_select``.
 
-    ``launch_leaves(cand, count, CHUNK, n_chunks, KB, FINAL)`` launches the leaf kernel on the
-    grid ``(rows, n_chunks)``; with ``FINAL`` (one leaf per row) ``cand`` and ``count`` are
-    ``out`` and the leaves write the ids, else ``cand [rows, n_chunks, list_size(CHUNK, KB)]``
-    int64 receives their key lists and the leaves zero ``count [rows]`` int32
-    (``clear_counts``). ``lens [rows]`` visible pools, clamped to ``n_cols``. When
-    ``launch_leaves`` returns True its leaves filtered (``store_leaf_bounds``): the survivors
-    hold upper bounds, and ``refine(surv, count)`` replaces them by the exact keys before the
-    selection. ``plan``: ``(CHUNK, n_chunks)`` instead of ``plan_leaves``'.
+    ``launch_leaves(cand, count, CHUNK, n_chunks, KB, FINAL, FILTER)`` launches the leaf kernel
+    on the grid ``(rows, n_chunks)``; with ``FINAL`` (one leaf per row) ``cand`` and ``count``
+    are ``out`` and the leaves write the ids, else ``cand [rows, n_chunks, list_size(CHUNK, KB,
+    FILTER)]`` int64 receives their key lists and the leaves zero ``count [rows]`` int32
+    (``clear_counts``). ``lens [rows]`` visible pools, clamped to ``n_cols``. ``FILTER``: the
+    leaves filter (``filtering(CHUNK, KB, n_chunks)``, a launch of several leaves;
+    ``store_leaf_bounds``): the survivors hold upper bounds, and ``refine(surv, count)``
+    replaces them by the exact keys before the selection. ``plan``: ``(CHUNK, n_chunks)``
+    instead of ``plan_leaves``'.
     """
     rows = out.shape[0]
     kb = key_block(select_k)
     chunk, n_chunks = plan or plan_leaves(rows, n_cols, select_k, out.device, granule)
     final = n_chunks == 1
     if final:
-        launch_leaves(out, out, chunk, n_chunks, kb, final)
+        launch_leaves(out, out, chunk, n_chunks, kb, final, False)
         return
-    cand = torch.empty((rows, n_chunks, list_size(chunk, kb)), dtype=torch.int64, device=out.device)
+    filtered = bool(filtering is not None and filtering(chunk, kb, n_chunks))
+    cand = torch.empty((rows, n_chunks, list_size(chunk, kb, filtered)), dtype=torch.int64, device=out.device)
     count = torch.empty((rows,), dtype=torch.int32, device=out.device)
-    filtered = bool(launch_leaves(cand, count, chunk, n_chunks, kb, final))
+    launch_leaves(cand, count, chunk, n_chunks, kb, final, filtered)
     threshold_select(cand, count, chunk, lens, n_cols, select_k, out, refine if filtered else None, expand)
 
 
@@ -744,7 +783,7 @@ def select_pools(logits, pool_lens, select_k):
     if rows == 0:
         return out
 
-    def launch_leaves(cand, count, chunk, n_chunks, kb, final):
+    def launch_leaves(cand, count, chunk, n_chunks, kb, final, filtered):
         _chunk_topk_kernel[(rows, n_chunks)](
             logits, logits.stride(0), pool_lens, pool_lens.stride(0), cand, count, out, out.stride(0), n_cols, select_k,
             n_chunks, CHUNK=chunk, KB=kb, FINAL=final, **pdl_launch(device),
