@@ -373,7 +373,7 @@ def _topk_specs(m):
                    axis("LB", (2, 512, 1024))),
             cycle=(int_ptr_axis("lens_ptr"), axis("lens_stride", (1, "i32"))),
             derive=lambda c: dict(zip(("BLOCK", "RESIDENT"), m.union_block(c["LB"]))),
-            fixed=dict(BITS=m.RADIX_BITS, PL=m.position_lists(512)), options=dict(num_warps=m.SELECT_WARPS)),
+            fixed=dict(BITS=m.RADIX_BITS), options=dict(num_warps=m.SELECT_WARPS)),
         "_threshold_select_kernel": KernelSpec(
             ptrs=dict(surv_ptr="i64", count_ptr="i32", lens_ptr="i32", out_ptr="i32", seq_ptr="i64"),
             cross=(_kb_axis(),), cycle=(int_ptr_axis("lens_ptr", "seq_ptr"), axis("lens_stride", (1, "i32")),

@@ -481,13 +481,12 @@ def _survivors_kernel(cand_ptr, n_lists, lens_ptr, lens_stride, n_cols, surv_ptr
 @triton.jit
 def _union_bound_kernel(cand_ptr, n_lists, lens_ptr, lens_stride, n_cols, bound_ptr, select_k, CHUNK: tl.constexpr,
                         KW: tl.constexpr, LB: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr,
-                        RESIDENT: tl.constexpr, PL: tl.constexpr, PDL: tl.constexpr):
+                        RESIDENT: tl.constexpr, PDL: tl.constexpr):
     _pdl.grid_dependency_sync(PDL)
     # Program (row): the row bound of filtering leaves (store_leaf_bounds) -> bound[row]: the
     # select_k-th best of the HEAD lower keys (distinct pools) of all its wholly visible leaves (at least
     # select_k pools score at or above it), when they hold select_k keys; else (a row of fewer
-    # leaves) the select_k-th best of their PK position keys, when they hold select_k (those rows have
-    # fewer than select_k / HEAD leaves: PL lists' keys in registers, or streamed); else NO_KEY.
+    # leaves) the select_k-th best of their PK position keys, when they hold select_k; else NO_KEY.
     # Lists of list_slots(KW, True) slots (the CHUNK <= 2 * KW upper codes after the heads).
     row = tl.program_id(0).to(tl.int64)
     slots: tl.constexpr = HEAD + PK + KW  # list_slots(KW, True)
@@ -514,22 +513,16 @@ def _union_bound_kernel(cand_ptr, n_lists, lens_ptr, lens_stride, n_cols, bound_
     elif (n_vis > select_k) & (full * PK >= select_k) & ~bound:
         # the full leaves' position keys (unsorted): their smallest is a bucket floor
         cnt = (full * PK).to(tl.int32)
-        if PL > 0:
-            i = tl.arange(0, PL * PK)
+        lo = tl.full((), 9223372036854775807, tl.int64)
+        top = tl.full((), NO_KEY, tl.int64)
+        for start in range(0, cnt, BLOCK):
+            i = start + tl.arange(0, BLOCK)
             key = tl.load(_key_at(base + HEAD, i, PK, slots), mask=i < cnt, other=NO_KEY)
-            lo = tl.min(tl.where(i < cnt, key, 9223372036854775807))
-            top = tl.max(key)
-            kth = _radix_threshold(base + HEAD, cnt, lo, top, select_k, PL * PK, BITS, PK, slots, True)
-        else:
-            lo = tl.full((), 9223372036854775807, tl.int64)
-            top = tl.full((), NO_KEY, tl.int64)
-            for start in range(0, cnt, BLOCK):
-                i = start + tl.arange(0, BLOCK)
-                key = tl.load(_key_at(base + HEAD, i, PK, slots), mask=i < cnt, other=NO_KEY)
-                lo = tl.minimum(lo, tl.min(tl.where(i < cnt, key, 9223372036854775807)))
-                top = tl.maximum(top, tl.max(key))
-            kth = _radix_threshold(base + HEAD, cnt, lo, top, select_k, BLOCK, BITS, PK, slots, False)
-        lo = (lo.to(tl.uint64, bitcast=True) + kth).to(tl.int64, bitcast=True)
+            lo = tl.minimum(lo, tl.min(tl.where(i < cnt, key, 9223372036854775807)))
+            top = tl.maximum(top, tl.max(key))
+        kth = lo.to(tl.uint64, bitcast=True) + _radix_threshold(base + HEAD, cnt, lo, top, select_k, BLOCK, BITS,
+                                                                 PK, slots, False)
+        lo = kth.to(tl.int64, bitcast=True)
     tl.store(bound_ptr + row, lo)
 
 
@@ -703,14 +696,6 @@ def union_block(n_lists: int) -> tuple:
     return (heads, True) if heads <= UNION_RESIDENT_KEYS else (SELECT_BLOCK, False)
 
 
-def position_lists(select_k: int) -> int:
-    """``PL`` of ``_union_bound_kernel``: the lists whose ``POSITION_KEYS`` it holds in registers
-    for a row bounded by them (such a row has fewer than ``select_k / HEAD`` full leaves), or 0
-    (streamed) when they would be more than ``UNION_RESIDENT_KEYS`` keys."""
-    lists = triton.next_power_of_2(-(-select_k // MIN_KB))
-    return lists if lists * POSITION_KEYS <= UNION_RESIDENT_KEYS else 0
-
-
 def survivors(cand, count, chunk, lens, n_cols, select_k, filtered: bool = False):
     """``cand [rows, n_lists, list_size(chunk, KB)]`` (``store_leaf``'s int64 key lists of
     leaves of ``chunk`` pools), ``count [rows]`` int32 zeros -> ``surv [rows, n_lists * W]``
@@ -730,8 +715,7 @@ def survivors(cand, count, chunk, lens, n_cols, select_k, filtered: bool = False
         block, resident = union_block(n_lists)
         _union_bound_kernel[(rows,)](cand, n_lists, lens, lens.stride(0), n_cols, bound, select_k, CHUNK=chunk,
                                      KW=kw, LB=triton.next_power_of_2(n_lists), BLOCK=block, BITS=RADIX_BITS,
-                                     RESIDENT=resident, PL=position_lists(select_k), num_warps=SELECT_WARPS,
-                                     **pdl_launch(cand.device))
+                                     RESIDENT=resident, num_warps=SELECT_WARPS, **pdl_launch(cand.device))
     _survivors_kernel[(rows, triton.cdiv(n_lists, lg))](
         cand, n_lists, lens, lens.stride(0), n_cols, surv, count, bound, select_k, CHUNK=chunk, KW=kw, LG=lg,
         LB=triton.next_power_of_2(n_lists), FILTER=filtered, **pdl_launch(cand.device))
