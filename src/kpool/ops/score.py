@@ -74,6 +74,8 @@ FILTER_MAX_REGS_H64 = 128  # ... and of H = 64 (sm_90 SASS since the position-ma
 FILTER_MIN_CHUNK = 256  # filter leaves of at least this many pools (H200, exact -> filter: 1 x 128K, leaves of
 #                         128: 21.3 -> 32.3 us; 2 x 128K (128): 34.5 -> 38.8; 4 x 128K (256): 50.5 -> 45.8;
 #                         32 x 128K (512): 216 -> 165; 128 x 1M: 5.71 -> 4.04 ms; prefill 8192 x 32K: 52 -> 30 ms)
+FILTER_MAX_RANK = topk.MIN_KB  # launches filter when their longest row's bound rank is at most this (HEAD: from
+#                                32 leaves at select_k 512; rows bounded by position keys would allow topk.POSITION_KEYS)
 FILTER_WIDE_HEADS = 8  # filtering leaves of 2 x KB pools (wide_plan) for rows whose full leaves of that size
 #                        still hold this many times select_k heads (128 x 1M: 256 x 16 = 8 x 512; H200:
 #                        1,738 -> 1,638 us)
@@ -224,15 +226,16 @@ def filters(chunk: int, kb: int, n_chunks: int, n_cols: int, select_k: int) -> b
     """Whether a leaf launch filters (``FILTER``): the scorer is ``filter``, several leaves of
     ``FILTER_MIN_CHUNK`` to ``KB`` pools (they keep all their keys), or to ``2 * KB`` for rows
     whose full leaves hold ``FILTER_WIDE_HEADS * select_k`` heads (their lists hold all their
-    int32 upper codes), and rows of ``n_cols`` pools whose bound rank is at most ``HEAD``
-    (shorter rows in the same launch keep every pool as a survivor, all rescored exactly)."""
+    int32 upper codes), and rows of ``n_cols`` pools whose bound rank is at most
+    ``FILTER_MAX_RANK`` (shorter rows in the same launch are bounded by their leaves' position
+    keys, or keep every pool as a survivor, all rescored exactly)."""
     if FILTER_ERROR < MIN_FILTER_ERROR:
         raise ValueError(f"score.FILTER_ERROR must be at least {MIN_FILTER_ERROR} (logits.bound_keys' "
                          f"overflow guard), got {FILTER_ERROR}")
     full = max(n_cols // chunk, 1)
     fits = chunk <= kb or (chunk <= 2 * kb and full * topk.MIN_KB >= FILTER_WIDE_HEADS * select_k)
     return (scorer() == "filter" and n_chunks >= 2 and max(FILTER_MIN_CHUNK, topk.MIN_KB) <= chunk and fits
-            and -(-select_k // full) <= topk.MIN_KB)
+            and -(-select_k // full) <= FILTER_MAX_RANK)
 
 
 def wide_plan(rows: int, n_cols: int, select_k: int, device) -> tuple:
