@@ -252,10 +252,10 @@ def store_leaf_bounds(lower, cand_ptr, n_vis, select_k, CHUNK: tl.constexpr, KB:
     tl.static_assert((CHUNK <= 2 * KB) and (CHUNK >= HEAD), "a filtering leaf's list holds all its bounds")
     tl.static_assert(lower.shape[0] == PK, "one position key per tile position")
     _, rank = _bound_rank(n_vis, CHUNK, select_k)
+    p = tl.arange(0, PK)  # before the heads' topk, not in an else branch: no spill at 80 registers (triton 3.9)
+    tl.store(cand_ptr + HEAD + p, lower, mask=p < tl.where((rank > HEAD) & (rank <= PK), PK, 0))
     if _unsorted_list(rank, CHUNK, CHUNK):
         tl.store(cand_ptr + tl.arange(0, HEAD), tl.topk(lower, HEAD))
-    elif rank <= PK:
-        tl.store(cand_ptr + HEAD + tl.arange(0, PK), lower)
 
 
 @triton.jit
