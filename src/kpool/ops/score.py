@@ -75,7 +75,9 @@ FILTER_MIN_CHUNK = 256  # filter leaves of at least this many pools (H200, exact
 #                         128: 21.3 -> 32.3 us; 2 x 128K (128): 34.5 -> 38.8; 4 x 128K (256): 50.5 -> 45.8;
 #                         32 x 128K (512): 216 -> 165; 128 x 1M: 5.71 -> 4.04 ms; prefill 8192 x 32K: 52 -> 30 ms)
 FILTER_MAX_RANK = topk.MIN_KB  # launches filter when their longest row's bound rank is at most this (HEAD: from
-#                                32 leaves at select_k 512; rows bounded by position keys would allow topk.POSITION_KEYS)
+#                                32 leaves at select_k 512). topk.POSITION_KEYS (8 leaves up) timed on the H200: decode
+#                                32 x 32K tokens 66.8 -> 55.5 us, but prefill 8192 x 32K 22.3 -> 33.1 ms in the next run
+#                                (a case with a wide spread): not adopted until the prefill grids are timed side by side
 FILTER_WIDE_HEADS = 8  # filtering leaves of 2 x KB pools (wide_plan) for rows whose full leaves of that size
 #                        still hold this many times select_k heads (128 x 1M: 256 x 16 = 8 x 512; H200:
 #                        1,738 -> 1,638 us)
