@@ -489,7 +489,7 @@ def _union_bound_kernel(cand_ptr, n_lists, lens_ptr, lens_stride, n_cols, bound_
     # leaves) the select_k-th best of their PK position keys, when they hold select_k; else NO_KEY.
     # Lists of list_slots(KW, True) slots (the CHUNK <= 2 * KW upper codes after the heads).
     row = tl.program_id(0).to(tl.int64)
-    slots: tl.constexpr = HEAD + PK + KW  # list_slots(KW, True)
+    slots = list_slots(KW, True)
     base = cand_ptr + row * n_lists * slots
     lst = tl.arange(0, LB)
     if RESIDENT:  # every list's heads (some unwritten: masked below), loaded with the row's length
