@@ -342,7 +342,9 @@ def test_scorer_switch(device, monkeypatch, filter_choices):
     (512, 64, 32768, "filter", True),      # 32 x 128K at select 512: leaves of 512
     (256, 128, 32768, "filter", True),
     (128, 256, 32768, "filter", False),    # 1 x 128K: leaves of 128 (slower filtered on the H200)
-    (512, 16, 8192, "filter", False),      # 16 leaves: bound rank 32 > HEAD
+    (512, 16, 8192, "filter", True),       # 32 x 32K: 16 leaves, bound rank 32 (the position keys bound it)
+    (512, 8, 4096, "filter", True),        # 8 leaves: bound rank 64 = POSITION_KEYS
+    (512, 8, 4095, "filter", False),       # 7 full leaves: bound rank 74
     (512, 64, 32768, "exact", False),
     (1024, 32, 32768, "filter", False),    # leaves beyond KB drop keys: no bounds for them
 ])

@@ -12,10 +12,10 @@ leaf's ``KB`` best (``topk.store_leaf``); rows with several leaves finish in
 bytes as ``select_pools(paged_pool_logits(...))`` on every backend.
 
 Filter and refine (``filters``; the default, ``$KPOOL_SCORER=exact`` turns it off): when the
-leaves keep all their keys, hold at least ``FILTER_MIN_CHUNK`` pools each and a row has enough
-of them that its bound rank is at most ``topk.HEAD`` (long rows: at select_k 512, from 32
-wholly visible leaves up, e.g. 16,384 pools; rows long enough get leaves of ``2 * KB``,
-``wide_plan``), the leaves score with one fp16 MMA of the
+leaves keep all their keys, hold at least ``FILTER_MIN_CHUNK`` pools each and the launch's
+longest row has enough of them that its bound rank is at most ``FILTER_MAX_RANK`` (at select_k
+512, from 8 wholly visible leaves up, e.g. 4,096 pools; rows long enough get leaves of
+``2 * KB``, ``wide_plan``), the leaves score with one fp16 MMA of the
 codes' values (``logits.approx_block_logits``: the products are exact, the MMA's
 accumulation is not) instead of the exact dot, and keep two keys per pool: ``a - E * kscale``
 and ``a + E * kscale`` (``logits.bound_keys``), with ``E`` per row from ``FILTER_ERROR``
@@ -74,10 +74,9 @@ FILTER_MAX_REGS_H64 = 128  # ... and of H = 64 (sm_90 SASS since the position-ma
 FILTER_MIN_CHUNK = 256  # filter leaves of at least this many pools (H200, exact -> filter: 1 x 128K, leaves of
 #                         128: 21.3 -> 32.3 us; 2 x 128K (128): 34.5 -> 38.8; 4 x 128K (256): 50.5 -> 45.8;
 #                         32 x 128K (512): 216 -> 165; 128 x 1M: 5.71 -> 4.04 ms; prefill 8192 x 32K: 52 -> 30 ms)
-FILTER_MAX_RANK = topk.MIN_KB  # launches filter when their longest row's bound rank is at most this (HEAD: from
-#                                32 leaves at select_k 512). topk.POSITION_KEYS (8 leaves up) timed on the H200: decode
-#                                32 x 32K tokens 66.8 -> 55.5 us, but prefill 8192 x 32K 22.3 -> 33.1 ms in the next run
-#                                (a case with a wide spread): not adopted until the prefill grids are timed side by side
+FILTER_MAX_RANK = topk.POSITION_KEYS  # launches filter when their longest row's bound rank is at most this (from 8
+#                                       leaves at select_k 512; H200, same call: decode 32 x 32K tokens 66.6 -> 55.8 us,
+#                                       prefill 8192 x 32K within its spread of 21-32 ms; HEAD: from 32 leaves)
 FILTER_WIDE_HEADS = 8  # filtering leaves of 2 x KB pools (wide_plan) for rows whose full leaves of that size
 #                        still hold this many times select_k heads (128 x 1M: 256 x 16 = 8 x 512; H200:
 #                        1,738 -> 1,638 us)
