@@ -66,7 +66,7 @@ def cases(mode):
         topk = 2048
     else:
         dec = [(32, 131072, 1), (128, 1048576, 1), (1, 131072, 1), (32, (4096, 131072), 1), (32, 32768, 1)]
-        pre = [(8192, 32768)]
+        pre = [(8192, 4096), (8192, 8192), (8192, 32768)]  # rows of 4-8, 12-16 and 30-32 leaves of 512 pools
         rag = [(1024, 32768)]
         topk = 2048
     out = [{"label": f"decode B={b} ctx={_ctx_label(c)}" + (f" n={n}" if n > 1 else ""), "kind": "decode",
