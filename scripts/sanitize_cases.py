@@ -91,7 +91,8 @@ def score_cases(dev, g, bf):
         (1, 1, 32, 32768, 512),  # exact leaves of 128 pools
         (16, 1, 32, 8192, 512),  # filtering leaves of 256 pools, one query row per program
         (16, 2, 32, 8192, 512),  # filtering leaves of 512, two query rows per program
-        (16, 1, 64, 8192, 512),  # 64 heads (filtering leaves of 256)
+        (16, 1, 64, 8192, 512),  # 64 heads, one row per program: exact leaves (score.filter_shape)
+        (16, 2, 64, 8192, 512),  # 64 heads, two rows per program: filtering leaves of 512
         (2, 1, 32, 262144, 512),  # wide filtering leaves of 1,024 pools
     ]
     for b, n, heads, pools, select_k in cases:
@@ -106,9 +107,12 @@ def score_cases(dev, g, bf):
         q8, _ = kpool.fwht128_quant_fp8(bf(b, n, heads, 128))
         w = torch.randn(b, n, heads, device=dev, generator=g)
         want = kpool.select_pools(kpool.paged_pool_logits(q8, kv, w, lens, pt), lens.view(-1), select_k)
-        chunk, n_chunks = score.wide_plan(b * n, pools, select_k, torch.device(dev))
-        filtering = n_chunks > 1 and score.filters(chunk, topk.key_block(select_k), n_chunks, pools, select_k)
-        leaves = "one leaf" if n_chunks == 1 else f"{n_chunks} {'filtering' if filtering else 'exact'} leaves of {chunk}"
+        rows = score.query_rows(n)
+        chunk, n_chunks = score.wide_plan(b * n, pools, select_k, torch.device(dev), heads, rows)
+        filtering = n_chunks > 1 and score.filters(chunk, topk.key_block(select_k), n_chunks, pools, select_k, heads,
+                                                   rows)
+        kind = "filtering" if filtering else "exact"
+        leaves = "one leaf" if n_chunks == 1 else f"{n_chunks} {kind} leaves of {chunk}"
         name = f"paged_pool_topk B={b} next_n={n} H={heads} pools={pools} select_k={select_k} ({leaves})"
         check(name, kpool.paged_pool_topk(q8, kv, w, lens, pt, select_k), want)
         seq = lens.view(-1) * 4 + torch.randint(0, 4, (b * n,), device=dev, generator=g)

@@ -209,10 +209,12 @@ def test_launch_options_the_launchers_use():
             for c in (j.constexprs for j in jobs if j.kernel == "_paged_topk_kernel")}
     assert (True, False, True) in filt and (False, False, True) in filt
     assert not any(f and (final or not keeps_all) for f, final, keeps_all in filt)
-    # the scorer's register caps, per (FILTER, ROWS, H), as launch_options sets them on CUDA
+    # the scorer's register caps, per (FILTER, ROWS), as launch_options sets them on CUDA; no
+    # filtering leaf of a shape that may not filter (score.filter_shape)
     caps = {(c["FILTER"], c["ROWS"], c["H"], j.options.get("maxnreg"))
             for j, c in ((j, j.constexprs) for j in jobs if j.kernel == "_paged_topk_kernel")}
-    assert caps and all(cap == score.max_regs(f, rows, h) for f, rows, h, cap in caps)
+    assert caps and all(cap == score.max_regs(f, rows) for f, rows, _, cap in caps)
+    assert all(score.filter_shape(h, rows) for f, rows, h, _ in caps if f)
     # and its pipeline stages, per FILTER, as the launcher passes them
     stages = {(j.constexprs["FILTER"], j.constexprs["STAGES"]) for j in jobs if j.kernel == "_paged_topk_kernel"}
     assert stages == {(f, score.pipeline_stages(f)) for f in (False, True)}

@@ -222,6 +222,15 @@ def test_filter_selects_exactly(device, heads, fp8_dtype, layout, monkeypatch, f
     assert used == [True] * 2  # ids, then tokens
 
 
+def test_one_row_at_64_heads_scores_exactly(device, monkeypatch, filter_choices):
+    """Decode steps of one query row per program at 64 heads do not filter (``score.filter_shape``:
+    their filtering leaves selected wrong pools on the H200) and select exactly."""
+    monkeypatch.setenv("KPOOL_BACKEND", "triton")
+    monkeypatch.setenv(score.SCORER_ENV, "filter")
+    run_case(device, heads=64, fp8_dtype=FP8[0], seed=64, **dict(FILTER_CASE, batch=6, next_n=1))
+    assert filter_choices == [False] * 2  # ids, then tokens
+
+
 def test_filter_bounds_hold_under_the_whole_error_budget(device, monkeypatch, filter_choices):
     """With a budget of 1/8 of each head's dot magnitude and every approximate logit moved by
     0.9 of its bound (``FILTER_SHAKE``), the selection is still exact: the row bound comes from
@@ -315,13 +324,14 @@ def test_filter_survivors_reach_the_union_of_the_leaf_heads(device, monkeypatch,
 def test_wide_plan_doubles_filtering_leaves_of_long_rows(monkeypatch):
     """On a GPU of 132 SMs at select_k 512: 128 rows of 262,144 pools (256 leaves of 1,024, 8 x
     select_k heads) get leaves of 2 x KB; 32 rows of 32,768 (32 x 16 heads = select_k) keep
-    KB; so does every row under the exact scorer."""
+    KB; so does every row under the exact scorer, and one row per program at 64 heads."""
     monkeypatch.setattr(topk, "_sm_count", lambda device: 132)
     monkeypatch.delenv(score.SCORER_ENV, raising=False)
-    assert score.wide_plan(128, 262144, 512, "cuda") == (1024, 256)
-    assert score.wide_plan(32, 32768, 512, "cuda") == (512, 64)
+    assert score.wide_plan(128, 262144, 512, "cuda", 32, 1) == (1024, 256)
+    assert score.wide_plan(32, 32768, 512, "cuda", 32, 1) == (512, 64)
+    assert score.wide_plan(128, 262144, 512, "cuda", 64, 1) == (512, 512)  # exact leaves (score.filter_shape)
     monkeypatch.setenv(score.SCORER_ENV, "exact")
-    assert score.wide_plan(128, 262144, 512, "cuda") == (512, 512)
+    assert score.wide_plan(128, 262144, 512, "cuda", 32, 1) == (512, 512)
 
 
 def test_scorer_switch(device, monkeypatch, filter_choices):
@@ -349,6 +359,9 @@ def test_scorer_switch(device, monkeypatch, filter_choices):
     (1024, 32, 32768, "filter", False),    # leaves beyond KB drop keys: no bounds for them
 ])
 def test_filter_rule(chunk, n_chunks, n_cols, scorer, want, monkeypatch):
-    """Which leaf launches filter (``score.filters``) at select_k 512 (KB 512)."""
+    """Which leaf launches filter (``score.filters``) at select_k 512 (KB 512): at 16 and 32 heads
+    with one or two query rows per program, at 64 heads with two only (``score.filter_shape``)."""
     monkeypatch.setenv(score.SCORER_ENV, scorer)
-    assert score.filters(chunk, topk.key_block(512), n_chunks, n_cols, 512) is want
+    for heads, rows in ((16, 1), (32, 1), (32, 2), (64, 2)):
+        assert score.filters(chunk, topk.key_block(512), n_chunks, n_cols, 512, heads, rows) is want
+    assert score.filters(chunk, topk.key_block(512), n_chunks, n_cols, 512, 64, 1) is False
