@@ -85,7 +85,8 @@ def check(name, got, want):
 
 def score_cases(dev, g, bf):
     """Fused decode / verify selections (every leaf shape) against select_pools of the logits rows."""
-    from kpool.ops import score, topk
+    from kpool import exactness
+    from kpool.ops import score
     cases = [  # (requests, next_n, heads, pools per request, select_k): the leaf shape on an H200 (132 SMs)
         (1, 1, 32, 100, 32),  # one leaf (FINAL)
         (1, 1, 32, 32768, 512),  # exact leaves of 128 pools
@@ -107,14 +108,13 @@ def score_cases(dev, g, bf):
         q8, _ = kpool.fwht128_quant_fp8(bf(b, n, heads, 128))
         w = torch.randn(b, n, heads, device=dev, generator=g)
         want = kpool.select_pools(kpool.paged_pool_logits(q8, kv, w, lens, pt), lens.view(-1), select_k)
-        rows = score.query_rows(n)
-        chunk, n_chunks = score.wide_plan(b * n, pools, select_k, torch.device(dev), heads, rows)
-        filtering = n_chunks > 1 and score.filters(chunk, topk.key_block(select_k), n_chunks, pools, select_k, heads,
-                                                   rows)
-        kind = "filtering" if filtering else "exact"
+        with exactness.filter_decisions() as decided:  # the launch's own decision comes last
+            got = kpool.paged_pool_topk(q8, kv, w, lens, pt, select_k)
+        chunk, n_chunks = score.wide_plan(b * n, pools, select_k, torch.device(dev), heads, score.query_rows(n))
+        kind = "filtering" if decided and decided[-1] else "exact"
         leaves = "one leaf" if n_chunks == 1 else f"{n_chunks} {kind} leaves of {chunk}"
         name = f"paged_pool_topk B={b} next_n={n} H={heads} pools={pools} select_k={select_k} ({leaves})"
-        check(name, kpool.paged_pool_topk(q8, kv, w, lens, pt, select_k), want)
+        check(name, got, want)
         seq = lens.view(-1) * 4 + torch.randint(0, 4, (b * n,), device=dev, generator=g)
         width = -(-(select_k * 4 + 3) // 128) * 128
         check(name + " expanded", kpool.paged_pool_topk(q8, kv, w, lens, pt, select_k, expand=(seq, 4, width)),
