@@ -209,12 +209,10 @@ def test_launch_options_the_launchers_use():
             for c in (j.constexprs for j in jobs if j.kernel == "_paged_topk_kernel")}
     assert (True, False, True) in filt and (False, False, True) in filt
     assert not any(f and (final or not keeps_all) for f, final, keeps_all in filt)
-    # the scorer's register caps, per (FILTER, ROWS), as launch_options sets them on CUDA; no
-    # filtering leaf of a shape that may not filter (score.filter_shape)
+    # the scorer's register caps, per (FILTER, ROWS, H), as launch_options sets them on CUDA
     caps = {(c["FILTER"], c["ROWS"], c["H"], j.options.get("maxnreg"))
             for j, c in ((j, j.constexprs) for j in jobs if j.kernel == "_paged_topk_kernel")}
-    assert caps and all(cap == score.max_regs(f, rows) for f, rows, _, cap in caps)
-    assert all(score.filter_shape(h, rows) for f, rows, h, _ in caps if f)
+    assert caps and all(cap == score.max_regs(f, rows, h) for f, rows, h, cap in caps)
     # and its pipeline stages, per FILTER, as the launcher passes them
     stages = {(j.constexprs["FILTER"], j.constexprs["STAGES"]) for j in jobs if j.kernel == "_paged_topk_kernel"}
     assert stages == {(f, score.pipeline_stages(f)) for f in (False, True)}
@@ -229,7 +227,7 @@ def test_launch_options_the_launchers_use():
 
 def test_register_caps_apply_to_cuda_only(monkeypatch):
     """The launchers' ``maxnreg`` (``_backend.register_cap``): set on CUDA targets, never on
-    ROCm or the interpreter, and not for a P without a cap."""
+    ROCm or the interpreter, not for a P without a cap, nor under ``KPOOL_REGISTER_CAP=0``."""
     from kpool import _backend
     from kpool.ops import prefill, score
     for target, capped in ((("cuda", 90), True), (("hip", "gfx942"), False), (("interpreter", None), False)):
@@ -237,6 +235,10 @@ def test_register_caps_apply_to_cuda_only(monkeypatch):
         assert score.launch_options("cpu").get("maxnreg") == (score.MAX_REGS if capped else None)
         assert prefill.launch_options("cpu", 16).get("maxnreg") == (prefill.MAX_REGS[16] if capped else None)
         assert "maxnreg" not in prefill.launch_options("cpu", 4)
+        with monkeypatch.context() as m:  # KPOOL_REGISTER_CAP=0: no cap anywhere
+            m.setenv(_backend.REGISTER_CAP_ENV, "0")
+            assert "maxnreg" not in score.launch_options("cpu", True)
+            assert "maxnreg" not in prefill.launch_options("cpu", 16)
 
 
 def test_pdl_launch_on_cuda_sm90_and_later_only(monkeypatch):

@@ -208,27 +208,19 @@ def filter_choices(monkeypatch):
         yield used
 
 
-@pytest.mark.parametrize("heads, fp8_dtype, layout", [(16, FP8[0], "plain"), (32, FP8[1], "preshuffle"),
-                                                      (64, FP8[0], "plain")])
-def test_filter_selects_exactly(device, heads, fp8_dtype, layout, monkeypatch, filter_choices):
+@pytest.mark.parametrize("heads, fp8_dtype, layout, next_n", [(16, FP8[0], "plain", 3), (32, FP8[1], "preshuffle", 3),
+                                                              (64, FP8[0], "plain", 3), (64, FP8[1], "plain", 1)])
+def test_filter_selects_exactly(device, heads, fp8_dtype, layout, next_n, monkeypatch, filter_choices):
     """Long rows are filtered (one fp16 MMA per tile, lower and upper keys) and their survivors
     rescored exactly: the same ids as the exact reference, with a bad page and NaN key codes
-    (NaN: always a survivor, ranked last) and pages repeated across leaves (exact ties)."""
+    (NaN: always a survivor, ranked last) and pages repeated across leaves (exact ties); four
+    query rows per program and one (64 heads: ``score.max_regs``' own cap on CUDA)."""
     monkeypatch.setenv("KPOOL_BACKEND", "triton")
     monkeypatch.setenv(score.SCORER_ENV, "filter")
     used = filter_choices
-    run_case(device, heads=heads, fp8_dtype=fp8_dtype, layout=layout, seed=heads, bad_page=True, duplicate=True,
-             nan_codes=True, **FILTER_CASE)
+    run_case(device, heads=heads, fp8_dtype=fp8_dtype, layout=layout, seed=heads + next_n, bad_page=True,
+             duplicate=True, nan_codes=True, **dict(FILTER_CASE, batch=6 // next_n, next_n=next_n))
     assert used == [True] * 2  # ids, then tokens
-
-
-def test_one_row_at_64_heads_scores_exactly(device, monkeypatch, filter_choices):
-    """Decode steps of one query row per program at 64 heads do not filter (``score.filter_shape``:
-    their filtering leaves selected wrong pools on the H200) and select exactly."""
-    monkeypatch.setenv("KPOOL_BACKEND", "triton")
-    monkeypatch.setenv(score.SCORER_ENV, "filter")
-    run_case(device, heads=64, fp8_dtype=FP8[0], seed=64, **dict(FILTER_CASE, batch=6, next_n=1))
-    assert filter_choices == [False] * 2  # ids, then tokens
 
 
 def test_filter_bounds_hold_under_the_whole_error_budget(device, monkeypatch, filter_choices):
@@ -324,14 +316,13 @@ def test_filter_survivors_reach_the_union_of_the_leaf_heads(device, monkeypatch,
 def test_wide_plan_doubles_filtering_leaves_of_long_rows(monkeypatch):
     """On a GPU of 132 SMs at select_k 512: 128 rows of 262,144 pools (256 leaves of 1,024, 8 x
     select_k heads) get leaves of 2 x KB; 32 rows of 32,768 (32 x 16 heads = select_k) keep
-    KB; so does every row under the exact scorer, and one row per program at 64 heads."""
+    KB; so does every row under the exact scorer."""
     monkeypatch.setattr(topk, "_sm_count", lambda device: 132)
     monkeypatch.delenv(score.SCORER_ENV, raising=False)
-    assert score.wide_plan(128, 262144, 512, "cuda", 32, 1) == (1024, 256)
-    assert score.wide_plan(32, 32768, 512, "cuda", 32, 1) == (512, 64)
-    assert score.wide_plan(128, 262144, 512, "cuda", 64, 1) == (512, 512)  # exact leaves (score.filter_shape)
+    assert score.wide_plan(128, 262144, 512, "cuda") == (1024, 256)
+    assert score.wide_plan(32, 32768, 512, "cuda") == (512, 64)
     monkeypatch.setenv(score.SCORER_ENV, "exact")
-    assert score.wide_plan(128, 262144, 512, "cuda", 32, 1) == (512, 512)
+    assert score.wide_plan(128, 262144, 512, "cuda") == (512, 512)
 
 
 def test_scorer_switch(device, monkeypatch, filter_choices):
@@ -359,9 +350,6 @@ def test_scorer_switch(device, monkeypatch, filter_choices):
     (1024, 32, 32768, "filter", False),    # leaves beyond KB drop keys: no bounds for them
 ])
 def test_filter_rule(chunk, n_chunks, n_cols, scorer, want, monkeypatch):
-    """Which leaf launches filter (``score.filters``) at select_k 512 (KB 512): at 16 and 32 heads
-    with one or two query rows per program, at 64 heads with two only (``score.filter_shape``)."""
+    """Which leaf launches filter (``score.filters``) at select_k 512 (KB 512)."""
     monkeypatch.setenv(score.SCORER_ENV, scorer)
-    for heads, rows in ((16, 1), (32, 1), (32, 2), (64, 2)):
-        assert score.filters(chunk, topk.key_block(512), n_chunks, n_cols, 512, heads, rows) is want
-    assert score.filters(chunk, topk.key_block(512), n_chunks, n_cols, 512, 64, 1) is False
+    assert score.filters(chunk, topk.key_block(512), n_chunks, n_cols, 512) is want

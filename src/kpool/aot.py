@@ -385,11 +385,11 @@ def _topk_specs(m):
 
 def _filter_derive(m, c):
     """NT, FILTER (only where ``score.filters`` can choose it: several leaves that keep all
-    their keys, a program shape that may filter), and the pipeline stages and register cap
-    (``score.pipeline_stages``, ``score.max_regs``) that launch gets."""
-    filt = c["_filter"] and not c["FINAL"] and c["_chunk"] <= 2 * c["KB"] and m.filter_shape(c["H"], c["ROWS"])
+    their keys), and the pipeline stages and register cap (``score.pipeline_stages``,
+    ``score.max_regs``) that launch gets."""
+    filt = c["_filter"] and not c["FINAL"] and c["_chunk"] <= 2 * c["KB"]
     return dict(NT=c["_chunk"] // m.BLOCK_POOLS, FILTER=filt, STAGES=m.pipeline_stages(filt),
-                _opt_maxnreg=m.max_regs(filt, c["ROWS"]))
+                _opt_maxnreg=m.max_regs(filt, c["ROWS"], c["H"]))
 
 
 def _score_specs(m):

@@ -33,8 +33,7 @@ logit through the MMA (IEEE propagation; ``test_score``'s NaN key codes check it
 and makes the pool a survivor (``logits.bound_keys``). Shorter rows of the same launch take their
 bound from all their leaves' tile-position maxima (``topk.POSITION_KEYS`` lower keys per leaf,
 when those hold ``select_k``: at select_k 512, from 8 leaves); rows shorter still keep every pool
-as a survivor (all rescored exactly). Launches of one query row per program at 64 heads do not
-filter (``filter_shape``).
+as a survivor (all rescored exactly).
 """
 
 from __future__ import annotations
@@ -67,10 +66,11 @@ SCORER_ENV = "KPOOL_SCORER"
 # 15th session; 2^-14 also covers the rounding of the epilogue and of the bounds).
 FILTER_ERROR = 2.0**-14
 FILTER_SHAKE = 0.0  # tests only: move each approximate logit by this fraction of its bound
-FILTER_MAX_REGS = 80  # one-row filtering leaves (max_regs; H <= 32: filter_shape): 6 programs per SM, no
-#                       spills (89 registers uncapped since the position-max heads; H200, H = 32, 32 x 128K /
-#                       128 x 1M: 96 87.4 us / 1.75 ms, 80 85.8 / 1.72, 72 86.8 / 1.75; before them, 96 97.9 /
-#                       2.03, 80 100.0 / 2.05)
+FILTER_MAX_REGS = 80  # one-row filtering leaves of H <= 32 (max_regs): 6 programs per SM, no spills (89 registers
+#                       uncapped since the position-max heads; H200, H = 32, 32 x 128K / 128 x 1M: 96 87.4 us / 1.75 ms,
+#                       80 85.8 / 1.72, 72 86.8 / 1.75; before them, 96 97.9 / 2.03, 80 100.0 / 2.05) ...
+FILTER_MAX_REGS_H64 = 128  # ... and of H = 64 (sm_90 SASS since the position-max heads: 118 registers, none
+#                            spilled at 96, the cap of 5 programs per SM, 14 spill loads at 80; not timed)
 FILTER_MIN_CHUNK = 256  # filter leaves of at least this many pools (H200, exact -> filter: 1 x 128K, leaves of
 #                         128: 21.3 -> 32.3 us; 2 x 128K (128): 34.5 -> 38.8; 4 x 128K (256): 50.5 -> 45.8;
 #                         32 x 128K (512): 216 -> 165; 128 x 1M: 5.71 -> 4.04 ms; prefill 8192 x 32K: 52 -> 30 ms)
@@ -223,19 +223,8 @@ def scorer() -> str:
     return choice
 
 
-def filter_shape(heads: int, rows: int) -> bool:
-    """Whether leaves of ``rows`` query rows per program (``query_rows``) at ``heads`` heads may
-    filter: all but one row at 64 heads. On the H200 (triton 3.6, register cap 128) such
-    filtering leaves selected wrong pools (29th session, ``scripts/sanitize_cases.py``: 16 rows
-    x 8,192 pools, 7,076 of 8,192 ids differed from ``select_pools`` of the exact logits) while
-    the interpreter's are exact at the same plan and two rows per program at 64 heads are exact
-    on the H200; until the cause is found these launches score exactly."""
-    return heads <= 32 or rows > 1
-
-
-def filters(chunk: int, kb: int, n_chunks: int, n_cols: int, select_k: int, heads: int, rows: int) -> bool:
-    """Whether a leaf launch filters (``FILTER``): the scorer is ``filter``, programs of ``rows``
-    query rows at ``heads`` heads may filter (``filter_shape``), several leaves of
+def filters(chunk: int, kb: int, n_chunks: int, n_cols: int, select_k: int) -> bool:
+    """Whether a leaf launch filters (``FILTER``): the scorer is ``filter``, several leaves of
     ``FILTER_MIN_CHUNK`` to ``KB`` pools (they keep all their keys), or to ``2 * KB`` for rows
     whose full leaves hold ``FILTER_WIDE_HEADS * select_k`` heads (their lists hold all their
     int32 upper codes), and rows of ``n_cols`` pools whose bound rank is at most
@@ -246,13 +235,12 @@ def filters(chunk: int, kb: int, n_chunks: int, n_cols: int, select_k: int, head
                          f"overflow guard), got {FILTER_ERROR}")
     full = max(n_cols // chunk, 1)
     fits = chunk <= kb or (chunk <= 2 * kb and full * topk.MIN_KB >= FILTER_WIDE_HEADS * select_k)
-    return (scorer() == "filter" and filter_shape(heads, rows) and n_chunks >= 2
-            and max(FILTER_MIN_CHUNK, topk.MIN_KB) <= chunk and fits and -(-select_k // full) <= FILTER_MAX_RANK)
+    return (scorer() == "filter" and n_chunks >= 2 and max(FILTER_MIN_CHUNK, topk.MIN_KB) <= chunk and fits
+            and -(-select_k // full) <= FILTER_MAX_RANK)
 
 
-def wide_plan(rows: int, n_cols: int, select_k: int, device, heads: int, rows_per_prog: int) -> tuple:
-    """``(CHUNK, n_chunks)`` of the fused scorer's leaves for ``rows`` rows (``rows_per_prog``
-    per program, ``heads`` heads): ``topk.plan_leaves``', doubled up to
+def wide_plan(rows: int, n_cols: int, select_k: int, device) -> tuple:
+    """``(CHUNK, n_chunks)`` of the fused scorer's leaves: ``topk.plan_leaves``', doubled up to
     ``2 * KB`` for filtering leaves when the grid still fills the GPU and the rows are long
     enough (``FILTER_WIDE_HEADS``): a filtering list holds ``2 * KB`` pools' int32 upper codes,
     and the leaf's work outside its tile loop (query set-up, heads) is spread over twice the
@@ -262,7 +250,7 @@ def wide_plan(rows: int, n_cols: int, select_k: int, device, heads: int, rows_pe
     wide = 2 * chunk
     sms = topk._sm_count(device)
     if (chunk == kb and sms and rows * triton.cdiv(n_cols, wide) >= topk.PROGRAMS_PER_SM * sms
-            and filters(wide, kb, triton.cdiv(n_cols, wide), n_cols, select_k, heads, rows_per_prog)):
+            and filters(wide, kb, triton.cdiv(n_cols, wide), n_cols, select_k)):
         return wide, triton.cdiv(n_cols, wide)
     return chunk, n_chunks
 
@@ -287,15 +275,18 @@ def pipeline_stages(filtered: bool = False) -> int:
     return FILTER_PIPELINE_STAGES if filtered else PIPELINE_STAGES
 
 
-def max_regs(filtered: bool = False, rows: int = 1) -> int:
-    """CUDA register cap of a scoring launch: ``FILTER_MAX_REGS`` for one-row filtering leaves
-    (at most 32 heads: ``filter_shape``), else ``MAX_REGS``."""
-    return FILTER_MAX_REGS if filtered and rows == 1 else MAX_REGS
+def max_regs(filtered: bool = False, rows: int = 1, heads: int = 32) -> int:
+    """CUDA register cap of a scoring launch: ``FILTER_MAX_REGS`` (``FILTER_MAX_REGS_H64`` at
+    64 heads) for one-row filtering leaves, else ``MAX_REGS``."""
+    if filtered and rows == 1:
+        return FILTER_MAX_REGS_H64 if heads > 32 else FILTER_MAX_REGS
+    return MAX_REGS
 
 
-def launch_options(device, filtered: bool = False, rows: int = 1) -> dict:
+def launch_options(device, filtered: bool = False, rows: int = 1, heads: int = 32) -> dict:
     """Compile options of the scoring kernels: the register cap (``max_regs``) applies to CUDA targets only."""
-    return dict(num_warps=NUM_WARPS, enable_fp_fusion=False, **register_cap(device, max_regs(filtered, rows)))
+    return dict(num_warps=NUM_WARPS, enable_fp_fusion=False,
+                **register_cap(device, max_regs(filtered, rows, heads)))
 
 
 def _check_expand(expand, rows: int, select_k: int, device):
@@ -362,7 +353,7 @@ def paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, *
             PRESHUFFLE=layout == "preshuffle", FINAL=final, **decode_args(fp8_dtype, device),
             FILTER=filtered, FP8_MAX=fp8_max(fp8_dtype), ERROR=FILTER_ERROR, SHAKE=FILTER_SHAKE,
             STAGES=pipeline_stages(filtered), **topk.expansion_args(expand, select_k, lens),
-            **launch_options(device, filtered, rows_per_prog), **pdl_launch(device),
+            **launch_options(device, filtered, rows_per_prog, heads), **pdl_launch(device),
         )
 
     def refine(surv, count):
@@ -376,7 +367,6 @@ def paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, *
         )
 
     topk.select_by_leaves(out, lens, limit, select_k, launch_leaves, BLOCK_POOLS, refine,
-                          plan=wide_plan(rows, limit, select_k, device, heads, rows_per_prog), expand=expand,
-                          filtering=lambda chunk, kb, n_chunks: filters(chunk, kb, n_chunks, limit, select_k, heads,
-                                                                         rows_per_prog))
+                          plan=wide_plan(rows, limit, select_k, device), expand=expand,
+                          filtering=lambda chunk, kb, n_chunks: filters(chunk, kb, n_chunks, limit, select_k))
     return out
