@@ -34,6 +34,7 @@ from hypothesis import strategies as st
 
 from kpool import cache as cache_mod
 from kpool import numerics, reference
+from kpool._checks import own_indices, range_checks_enabled
 from kpool.cache import SCRATCH_BYTES_PER_POOL, KPoolCache, _plan_chunks, logits_budget_bytes, score_and_select
 from kpool.indexer import KPoolIndexer
 
@@ -391,6 +392,8 @@ def test_logits_budget_chunks_rows(monkeypatch):
     orig = cache_mod.paged_pool_topk
 
     def spy(q8, kv, wts, lens, pt, select_k, **kw):
+        # the cache built the page table and positions: no range check (a host sync) per grid
+        assert not range_checks_enabled()
         calls.append((q8.shape[0] * q8.shape[1], kw["max_pools"]))
         return orig(q8, kv, wts, lens, pt, select_k, **kw)
 
@@ -411,6 +414,23 @@ def test_logits_budget_chunks_rows(monkeypatch):
             run.cache.topk_indices(["a", "b", "c"], q, w, index_topk=16)
     monkeypatch.delenv("KPOOL_LOGITS_BUDGET_MB")
     assert logits_budget_bytes() == 256 << 20
+    assert range_checks_enabled()  # on again outside topk_indices, also after its errors
+
+
+def test_own_indices_skips_range_checks_only_inside():
+    """``_checks.own_indices``: range checks off inside the block (also on other callers' ops
+    made inside it), on again after it, after an exception too."""
+    assert range_checks_enabled()
+    with own_indices():
+        assert not range_checks_enabled()
+        with own_indices():
+            assert not range_checks_enabled()
+        assert not range_checks_enabled()
+    assert range_checks_enabled()
+    with pytest.raises(RuntimeError, match="inside"):
+        with own_indices():
+            raise RuntimeError("inside")
+    assert range_checks_enabled()
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 
 import torch
@@ -105,9 +107,25 @@ def check_head_dim(head_dim: int) -> None:
         raise ValueError(f"head_dim must be {HEAD_DIM} (Hadamard-128), got {head_dim}")
 
 
+_OWN_INDICES = contextvars.ContextVar("kpool_own_indices", default=False)
+
+
+@contextlib.contextmanager
+def own_indices():
+    """Inside the block the sync-needing range checks are skipped: for index tensors the caller
+    built itself from its own state (``KPoolCache``'s page tables and positions), whose checks
+    would each wait for the GPU between launches."""
+    token = _OWN_INDICES.set(True)
+    try:
+        yield
+    finally:
+        _OWN_INDICES.reset(token)
+
+
 def range_checks_enabled() -> bool:
-    """Sync-needing value checks (slot ranges) run unless ``KPOOL_CHECK=0`` or a graph is captured."""
-    if os.environ.get("KPOOL_CHECK", "1") == "0":
+    """Sync-needing value checks (slot ranges) run unless ``KPOOL_CHECK=0``, a graph is captured,
+    or inside ``own_indices``."""
+    if os.environ.get("KPOOL_CHECK", "1") == "0" or _OWN_INDICES.get():
         return False
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 

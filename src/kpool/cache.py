@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._checks import check_positive_int, check_slot_count, check_tensor
+from ._checks import check_positive_int, check_slot_count, check_tensor, own_indices
 from .layout import (ENTRY_BYTES, HEAD_DIM, read_entries, resolve_fp8_dtype, resolve_layout, ring_size)
 from .ops.decode import kpool_decode_update_and_maybe_write_cache_batched
 from .ops.logits import SUPPORTED_HEADS
@@ -367,12 +367,13 @@ class KPoolCache:
             if a + n > first_long:
                 items.append((i, row + first_long - a, first_long, a + n - first_long, (a + n) // p))
             row += n
-        if short:
-            self._identity_rows(out, short, select_k, width, total)
-        if items:
-            page_table = self.page_table(request_ids)
-            for chunk in _plan_chunks(items, budget, self.pool_size):
-                self._score_chunk(out, chunk, q8, w, page_table, select_k, width, total)
+        with own_indices():  # the cache built every index it passes: no syncs between the grids
+            if short:
+                self._identity_rows(out, short, select_k, width, total)
+            if items:
+                page_table = self.page_table(request_ids)
+                for chunk in _plan_chunks(items, budget, self.pool_size):
+                    self._score_chunk(out, chunk, q8, w, page_table, select_k, width, total)
         return out[:total]
 
     def _identity_rows(self, out, runs, select_k, width, total) -> None:
