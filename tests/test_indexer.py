@@ -24,6 +24,7 @@ Caches start filled with random bytes, so a pool that was never written fails.
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -415,6 +416,44 @@ def test_logits_budget_chunks_rows(monkeypatch):
     monkeypatch.delenv("KPOOL_LOGITS_BUDGET_MB")
     assert logits_budget_bytes() == 256 << 20
     assert range_checks_enabled()  # on again outside topk_indices, also after its errors
+
+
+@contextlib.contextmanager
+def no_host_syncs():
+    """On CUDA, any call that waits for the GPU inside the block raises (torch's sync debug mode)."""
+    if DEVICE != "cuda":
+        yield
+        return
+    old = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(old)
+
+
+def test_cache_steps_queue_work_without_host_syncs(monkeypatch):
+    """``prefill``, ``decode`` and ``topk_indices`` over several row groups (a small scoring
+    budget) queue their launches without waiting for the GPU: the indices they pass are the
+    cache's own (no range checks) and go up pinned and asynchronously (``cache._upload``). On
+    CUDA a synchronizing call raises; the rows equal those of the same session outside the block."""
+    monkeypatch.setenv("KPOOL_LOGITS_BUDGET_MB", str(400 / 2**20))  # many row groups, some padded
+
+    def session(guard):
+        run = Run(seed=11, num_pages=16)
+        toks = [run.tokens(n) for n in (30, 25, 22)]
+        steps = [run.tokens(2) for _ in range(3)]
+        q, w = run.queries(77)
+        q2, w2 = run.queries(6)
+        with guard():
+            run.cache.prefill(["a", "b", "c"], [k for k, _ in toks], [g for _, g in toks])
+            chunk = run.cache.topk_indices(["a", "b", "c"], q, w, index_topk=16)
+            run.cache.decode(["a", "b", "c"], torch.stack([k for k, _ in steps]), torch.stack([g for _, g in steps]))
+            step = run.cache.topk_indices(["a", "b", "c"], q2, w2, index_topk=16)
+        return chunk, step, run.cache.kv_cache
+
+    for got, want in zip(session(no_host_syncs), session(contextlib.nullcontext)):
+        assert torch.equal(got, want)
 
 
 def test_own_indices_skips_range_checks_only_inside():

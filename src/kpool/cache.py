@@ -159,7 +159,7 @@ class KPoolCache:
         reqs = [self._get(r) for r in request_ids]
         width = max([len(r.pages) for r in reqs] + [1])
         rows = [r.pages + [-1] * (width - len(r.pages)) for r in reqs]
-        return torch.tensor(rows, dtype=torch.int32, device=self.device).reshape(len(reqs), width)
+        return _upload(torch.tensor(rows, dtype=torch.int32).reshape(len(reqs), width), self.device)
 
     def pooled_keys(self, request_id) -> tuple[torch.Tensor, torch.Tensor]:
         """Stored entries of the request's complete committed pools, in pool order:
@@ -230,17 +230,19 @@ class KPoolCache:
                                          torch.empty((0,) if width is None else (0, width), dtype=torch.int64))
         meta_t, locs_t = cat(meta, 4), cat(locs)
         inside = meta_t[:, 3] == 0  # the head pools are written by their request's program
-        write_prefill(self.kv_cache, self.tail, key, gate, self.ape,
-                      torch.stack((meta_t[inside, 0], locs_t[inside]), 1).to(dev),
-                      torch.tensor(heads, dtype=torch.int64).reshape(-1, REQUEST_FIELDS).to(dev), p,
-                      layout=self.layout, fp8_dtype=self.fp8_dtype, round_scale=self.round_scale)
-        meta_t, locs_t = meta_t.to(dev), locs_t.to(dev)
+        with own_indices():  # slots and pool rows of the cache's own pages
+            write_prefill(self.kv_cache, self.tail, key, gate, self.ape,
+                          _upload(torch.stack((meta_t[inside, 0], locs_t[inside]), 1), dev),
+                          _upload(torch.tensor(heads, dtype=torch.int64).reshape(-1, REQUEST_FIELDS), dev), p,
+                          layout=self.layout, fp8_dtype=self.fp8_dtype, round_scale=self.round_scale)
+        meta_t, locs_t = _upload(meta_t, dev), _upload(locs_t, dev)
         cu = [0]
         for n in lengths:
             cu.append(cu[-1] + n)
         self.last_step = StepMetadata(
-            "prefill", list(request_ids), cat(positions).to(dev, torch.int32), cat(slots).to(dev), cat(tslots).to(dev),
-            self.page_table(request_ids), torch.tensor(cu, dtype=torch.int32, device=dev), meta_t, locs_t)
+            "prefill", list(request_ids), _upload(cat(positions).to(torch.int32), dev), _upload(cat(slots), dev),
+            _upload(cat(tslots), dev), self.page_table(request_ids), _upload(torch.tensor(cu, dtype=torch.int32), dev),
+            meta_t, locs_t)
         return self.last_step
 
     def decode(self, request_ids, keys, gates) -> StepMetadata:
@@ -282,11 +284,12 @@ class KPoolCache:
             for row, values in zip(grid, self._token_slots(req, a, a + n)):
                 row[i, :n] = values
             req.step_start, req.step_len, req.step_kind, req.length = a, n, "decode", a + n
-        grid = grid.to(self.device)
+        grid = _upload(grid, self.device)
         positions, slot_mapping, tail_slots = grid[0].to(torch.int32), grid[1], grid[2]
-        kpool_decode_update_and_maybe_write_cache_batched(
-            self.kv_cache, self.tail, tail_slots, key, gate, self.ape, slot_mapping, positions, p,
-            round_scale=self.round_scale, layout=self.layout, fp8_dtype=self.fp8_dtype)
+        with own_indices():  # slots of the cache's own pages and ring blocks
+            kpool_decode_update_and_maybe_write_cache_batched(
+                self.kv_cache, self.tail, tail_slots, key, gate, self.ape, slot_mapping, positions, p,
+                round_scale=self.round_scale, layout=self.layout, fp8_dtype=self.fp8_dtype)
         self.last_step = StepMetadata("decode", list(request_ids), positions, slot_mapping, tail_slots,
                                       self.page_table(request_ids))
         return self.last_step
@@ -379,7 +382,7 @@ class KPoolCache:
     def _identity_rows(self, out, runs, select_k, width, total) -> None:
         """Rows seeing at most ``select_k`` pools: every visible pool in order, then the tail."""
         rows = torch.cat([torch.arange(r0, r0 + n, dtype=torch.int64) for r0, _, n in runs])
-        pos = torch.cat([torch.arange(a, a + n, dtype=torch.int64) for _, a, n in runs]).to(self.device)
+        pos = _upload(torch.cat([torch.arange(a, a + n, dtype=torch.int64) for _, a, n in runs]), self.device)
         seq, lens = visible_counts(pos, self.pool_size)
         cols = torch.arange(select_k, dtype=torch.int64, device=self.device)
         ids = torch.where(cols[None, :] < lens[:, None], cols[None, :], -1).to(torch.int32)
@@ -396,17 +399,17 @@ class KPoolCache:
             pos += list(range(a, a + m)) + [-1] * (n - m)
         dev, batch = self.device, len(chunk)
         rows_t = torch.tensor(rows, dtype=torch.int64)
-        pos_t = torch.tensor(pos, dtype=torch.int32, device=dev).reshape(batch, n)
+        pos_t = _upload(torch.tensor(pos, dtype=torch.int32).reshape(batch, n), dev)
         if rows[-1] < total and rows == list(range(rows[0], rows[0] + len(rows))):  # contiguous: no gathers
             q8c, wc = q8[rows[0]:rows[0] + len(rows)], w[rows[0]:rows[0] + len(rows)]
         else:
-            src = rows_t.clamp(max=total - 1).to(dev)
+            src = _upload(rows_t.clamp(max=total - 1), dev)
             q8c, wc = q8.index_select(0, src), w.index_select(0, src)
         reqs = [i for i, _, _, _, _ in chunk]
         if reqs == list(range(reqs[0], reqs[0] + batch)):
             pt = page_table[reqs[0]:reqs[0] + batch]
         else:
-            pt = page_table.index_select(0, torch.tensor(reqs, dtype=torch.int64, device=dev))
+            pt = page_table.index_select(0, _upload(torch.tensor(reqs, dtype=torch.int64), dev))
         idx = score_and_select_quantized(
             q8c.reshape(batch, n, *q8.shape[1:]), wc.reshape(batch, n, w.shape[1]), self.kv_cache, pt, pos_t,
             pool_size=self.pool_size, select_k=select_k, width=width, max_pools=max_pools, layout=self.layout,
@@ -535,13 +538,24 @@ def _plan_chunks(items, budget, pool_size):
     return chunks
 
 
+def _upload(t: torch.Tensor, device) -> torch.Tensor:
+    """The CPU tensor ``t`` on ``device``, without waiting for the GPU on CUDA / ROCm: PyTorch's
+    blocking host-to-device copy synchronizes the stream (each such copy in ``topk_indices``
+    waited for the previous row group's kernels before the next was launched); a pinned copy
+    is sent asynchronously instead (``t`` may change afterwards)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _put_rows(out, rows, idx, total) -> None:
     """``out[rows] = idx`` (``rows`` int64 on the CPU; padding rows point at the sink row ``total``)."""
     r0, n = int(rows[0]), rows.numel()
     if int(rows[-1]) < total and bool((rows == torch.arange(r0, r0 + n)).all()):
         out[r0:r0 + n] = idx
     else:
-        out.index_copy_(0, rows.to(out.device), idx)
+        out.index_copy_(0, _upload(rows, out.device), idx)
 
 
 def score_and_select_quantized(q8, w, kv_cache, page_table, positions, *, pool_size, select_k, width=None,
