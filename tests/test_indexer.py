@@ -452,8 +452,9 @@ def test_cache_steps_queue_work_without_host_syncs(monkeypatch):
             step = run.cache.topk_indices(["a", "b", "c"], q2, w2, index_topk=16)
         return chunk, step, run.cache.kv_cache
 
-    for got, want in zip(session(no_host_syncs), session(contextlib.nullcontext)):
-        assert torch.equal(got, want)
+    want = session(contextlib.nullcontext)  # first: one-time set-up (e.g. the fp8 halves table) may sync
+    for got, ref in zip(session(no_host_syncs), want):
+        assert torch.equal(got, ref)
 
 
 def test_own_indices_skips_range_checks_only_inside():
