@@ -117,12 +117,10 @@ def targets(case):
 
 def make_kv(ctx, num_pages, seed):
     """Valid pooled entries: random non-NaN e4m3fn codes, power-of-two scales 2^-10 .. 2^-6."""
+    from kpool.exactness import finite_pages_
     kv = ctx.rand_bytes((num_pages, PAGE, ENTRY), seed)
-    flat = kv.view(num_pages, PAGE * ENTRY)
-    codes = flat[:, : PAGE * HEAD]
-    codes.copy_(torch.where((codes & 0x7F) == 0x7F, codes ^ 1, codes))  # 0x7F / 0xFF are NaN
     exps = ctx.randint(117, 122, (num_pages, PAGE), seed + 1, dtype=torch.int32)
-    flat[:, PAGE * HEAD:].view(torch.int32).copy_(exps << 23)
+    finite_pages_(kv.view(num_pages, PAGE * ENTRY), exps)
     return kv
 
 

@@ -77,11 +77,9 @@ def main():
 
 def valid_kv(num_pages, dev, g):
     """A cache of ``num_pages`` pages of finite entries (power-of-two scales) with a padded page stride."""
+    from kpool.exactness import finite_pages_
     base = torch.randint(0, 256, (num_pages, PAGE * 132 + 64), dtype=torch.uint8, device=dev, generator=g)
-    codes = base[:, : PAGE * 128]
-    codes.copy_(torch.where((codes & 0x7F) == 0x7F, codes ^ 1, codes))  # 0x7F / 0xFF are NaN
-    exps = torch.randint(117, 122, (num_pages, PAGE), dtype=torch.int32, device=dev, generator=g)
-    base[:, PAGE * 128: PAGE * 132].view(torch.int32).copy_(exps << 23)
+    finite_pages_(base, torch.randint(117, 122, (num_pages, PAGE), dtype=torch.int32, device=dev, generator=g))
     return base[:, : PAGE * 132].view(num_pages, PAGE, 132)
 
 

@@ -97,6 +97,20 @@ def _finite_codes(shape, fp8_dtype, gen):
     return codes[torch.randint(0, codes.numel(), shape, generator=gen)]
 
 
+def finite_pages_(pages: torch.Tensor, exps: torch.Tensor) -> torch.Tensor:
+    """Valid e4m3fn entries in place (the scorers' benchmark and sanitizer caches): ``pages``
+    uint8 ``[N, >= PAGE * 132]`` of random bytes (each page's ``PAGE * 128`` codes, then its
+    ``PAGE`` fp32 scales, plain layout; a padded page stride allowed) gets its NaN codes (0x7F /
+    0xFF) flipped to a finite neighbour and its scales set to ``2^(exps - 127)`` (``exps`` int32
+    ``[N, PAGE]``). Returns ``pages``."""
+    from kpool.layout import ENTRY_BYTES, HEAD_DIM
+    page = exps.shape[1]
+    codes = pages[:, : page * HEAD_DIM]
+    codes.copy_(torch.where((codes & 0x7F) == 0x7F, codes ^ 1, codes))
+    pages[:, page * HEAD_DIM: page * ENTRY_BYTES].view(torch.int32).copy_(exps << 23)
+    return pages
+
+
 @contextlib.contextmanager
 def filter_decisions():
     """Record what ``ops.score.filters`` decides for each leaf launch inside the block (a list
