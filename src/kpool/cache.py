@@ -372,49 +372,53 @@ class KPoolCache:
             row += n
         with own_indices():  # the cache built every index it passes: no syncs between the grids
             if short:
-                self._identity_rows(out, short, select_k, width, total)
+                self._identity_rows(out, short, select_k, width)
             if items:
                 page_table = self.page_table(request_ids)
                 for chunk in _plan_chunks(items, budget, self.pool_size):
                     self._score_chunk(out, chunk, q8, w, page_table, select_k, width, total)
         return out[:total]
 
-    def _identity_rows(self, out, runs, select_k, width, total) -> None:
+    def _identity_rows(self, out, runs, select_k, width) -> None:
         """Rows seeing at most ``select_k`` pools: every visible pool in order, then the tail."""
-        rows = torch.cat([torch.arange(r0, r0 + n, dtype=torch.int64) for r0, _, n in runs])
         pos = _upload(torch.cat([torch.arange(a, a + n, dtype=torch.int64) for _, a, n in runs]), self.device)
         seq, lens = visible_counts(pos, self.pool_size)
         cols = torch.arange(select_k, dtype=torch.int64, device=self.device)
         ids = torch.where(cols[None, :] < lens[:, None], cols[None, :], -1).to(torch.int32)
         idx = expand_pools_and_append_tail(ids, seq, self.pool_size, width=width)
-        _put_rows(out, rows, idx, total)
+        if all(r1 == r0 + n0 for (r0, _, n0), (r1, _, _) in zip(runs, runs[1:])):
+            out[runs[0][0]:runs[0][0] + idx.shape[0]] = idx
+        else:
+            rows = torch.cat([torch.arange(r0, r0 + n, dtype=torch.int64) for r0, _, n in runs])
+            out.index_copy_(0, _upload(rows, out.device), idx)
 
     def _score_chunk(self, out, chunk, q8, w, page_table, select_k, width, total) -> None:
-        """One grid ``[B, n]`` of long rows (``chunk``: items of ``_plan_chunks``, padded to the longest)."""
-        n = max(m for _, _, _, m, _ in chunk)
-        max_pools = max(v for _, _, _, _, v in chunk)
-        rows, pos = [], []
-        for _, r0, a, m, _ in chunk:
-            rows += list(range(r0, r0 + m)) + [total] * (n - m)
-            pos += list(range(a, a + m)) + [-1] * (n - m)
-        dev, batch = self.device, len(chunk)
-        rows_t = torch.tensor(rows, dtype=torch.int64)
-        pos_t = _upload(torch.tensor(pos, dtype=torch.int32).reshape(batch, n), dev)
-        if rows[-1] < total and rows == list(range(rows[0], rows[0] + len(rows))):  # contiguous: no gathers
-            q8c, wc = q8[rows[0]:rows[0] + len(rows)], w[rows[0]:rows[0] + len(rows)]
+        """One grid ``[B, n]`` of long rows (``chunk``: items of ``_plan_chunks``, padded to the
+        longest; padding rows go to the sink row ``total`` of ``out``)."""
+        reqs, first_rows, starts, ms, vis = (list(c) for c in zip(*chunk))
+        dev, batch, n = self.device, len(chunk), max(ms)
+        col = torch.arange(n, dtype=torch.int64)
+        pad = col[None, :] >= torch.tensor(ms)[:, None]  # [B, n]
+        pos = torch.tensor(starts)[:, None].add(col).masked_fill_(pad, -1).to(torch.int32)
+        r0 = first_rows[0]
+        if all(m == n for m in ms) and first_rows == list(range(r0, r0 + batch * n, n)):  # contiguous: no gathers
+            q8c, wc, rows = q8[r0:r0 + batch * n], w[r0:r0 + batch * n], None
         else:
-            src = _upload(rows_t.clamp(max=total - 1), dev)
+            rows = _upload(torch.tensor(first_rows)[:, None].add(col).masked_fill_(pad, total).reshape(-1), dev)
+            src = rows.clamp(max=total - 1)
             q8c, wc = q8.index_select(0, src), w.index_select(0, src)
-        reqs = [i for i, _, _, _, _ in chunk]
         if reqs == list(range(reqs[0], reqs[0] + batch)):
             pt = page_table[reqs[0]:reqs[0] + batch]
         else:
             pt = page_table.index_select(0, _upload(torch.tensor(reqs, dtype=torch.int64), dev))
         idx = score_and_select_quantized(
-            q8c.reshape(batch, n, *q8.shape[1:]), wc.reshape(batch, n, w.shape[1]), self.kv_cache, pt, pos_t,
-            pool_size=self.pool_size, select_k=select_k, width=width, max_pools=max_pools, layout=self.layout,
-            fp8_dtype=self.fp8_dtype)
-        _put_rows(out, rows_t, idx, total)
+            q8c.reshape(batch, n, *q8.shape[1:]), wc.reshape(batch, n, w.shape[1]), self.kv_cache, pt,
+            _upload(pos, dev), pool_size=self.pool_size, select_k=select_k, width=width, max_pools=max(vis),
+            layout=self.layout, fp8_dtype=self.fp8_dtype)
+        if rows is None:
+            out[r0:r0 + batch * n] = idx
+        else:
+            out.index_copy_(0, rows, idx)
 
     # ------------------------------------------------------------------ helpers
     def _get(self, request_id) -> _Request:
@@ -547,15 +551,6 @@ def _upload(t: torch.Tensor, device) -> torch.Tensor:
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
-
-
-def _put_rows(out, rows, idx, total) -> None:
-    """``out[rows] = idx`` (``rows`` int64 on the CPU; padding rows point at the sink row ``total``)."""
-    r0, n = int(rows[0]), rows.numel()
-    if int(rows[-1]) < total and bool((rows == torch.arange(r0, r0 + n)).all()):
-        out[r0:r0 + n] = idx
-    else:
-        out.index_copy_(0, _upload(rows, out.device), idx)
 
 
 def score_and_select_quantized(q8, w, kv_cache, page_table, positions, *, pool_size, select_k, width=None,
