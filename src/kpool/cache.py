@@ -387,10 +387,10 @@ class KPoolCache:
         ids = torch.where(cols[None, :] < lens[:, None], cols[None, :], -1).to(torch.int32)
         idx = expand_pools_and_append_tail(ids, seq, self.pool_size, width=width)
         if all(r1 == r0 + n0 for (r0, _, n0), (r1, _, _) in zip(runs, runs[1:])):
-            out[runs[0][0]:runs[0][0] + idx.shape[0]] = idx
+            rows = runs[0][0]
         else:
-            rows = torch.cat([torch.arange(r0, r0 + n, dtype=torch.int64) for r0, _, n in runs])
-            out.index_copy_(0, _upload(rows, out.device), idx)
+            rows = _upload(torch.cat([torch.arange(r0, r0 + n, dtype=torch.int64) for r0, _, n in runs]), out.device)
+        _put_rows(out, rows, idx)
 
     def _score_chunk(self, out, chunk, q8, w, page_table, select_k, width, total) -> None:
         """One grid ``[B, n]`` of long rows (``chunk``: items of ``_plan_chunks``, padded to the
@@ -402,7 +402,7 @@ class KPoolCache:
         pos = torch.tensor(starts)[:, None].add(col).masked_fill_(pad, -1).to(torch.int32)
         r0 = first_rows[0]
         if all(m == n for m in ms) and first_rows == list(range(r0, r0 + batch * n, n)):  # contiguous: no gathers
-            q8c, wc, rows = q8[r0:r0 + batch * n], w[r0:r0 + batch * n], None
+            q8c, wc, rows = q8[r0:r0 + batch * n], w[r0:r0 + batch * n], r0
         else:
             rows = _upload(torch.tensor(first_rows)[:, None].add(col).masked_fill_(pad, total).reshape(-1), dev)
             src = rows.clamp(max=total - 1)
@@ -415,10 +415,7 @@ class KPoolCache:
             q8c.reshape(batch, n, *q8.shape[1:]), wc.reshape(batch, n, w.shape[1]), self.kv_cache, pt,
             _upload(pos, dev), pool_size=self.pool_size, select_k=select_k, width=width, max_pools=max(vis),
             layout=self.layout, fp8_dtype=self.fp8_dtype)
-        if rows is None:
-            out[r0:r0 + batch * n] = idx
-        else:
-            out.index_copy_(0, rows, idx)
+        _put_rows(out, rows, idx)
 
     # ------------------------------------------------------------------ helpers
     def _get(self, request_id) -> _Request:
@@ -551,6 +548,15 @@ def _upload(t: torch.Tensor, device) -> torch.Tensor:
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def _put_rows(out, rows, idx) -> None:
+    """``out[rows] = idx``: ``rows`` the first of ``idx.shape[0]`` contiguous rows (int), or
+    int64 row indices on ``out``'s device (padding rows point at the sink row)."""
+    if isinstance(rows, int):
+        out[rows:rows + idx.shape[0]] = idx
+    else:
+        out.index_copy_(0, rows, idx)
 
 
 def score_and_select_quantized(q8, w, kv_cache, page_table, positions, *, pool_size, select_k, width=None,
