@@ -36,7 +36,7 @@ from hypothesis import strategies as st
 from kpool import cache as cache_mod
 from kpool import numerics, reference
 from kpool._checks import own_indices, range_checks_enabled
-from kpool.cache import SCRATCH_BYTES_PER_POOL, KPoolCache, _plan_chunks, logits_budget_bytes, score_and_select
+from kpool.cache import DEFAULT_LOGITS_BUDGET_MB, SCRATCH_BYTES_PER_POOL, KPoolCache, _plan_chunks, logits_budget_bytes, score_and_select
 from kpool.indexer import KPoolIndexer
 
 from _util import random_bytes_like
@@ -401,7 +401,7 @@ def test_logits_budget_chunks_rows(monkeypatch):
     monkeypatch.setattr(cache_mod, "paged_pool_topk", spy)
     assert len(calls) == 0
     run.cache.topk_indices(["a", "b", "c"], q, w, index_topk=16)
-    assert len(calls) == 1  # 256 MiB: one grid (3 requests padded to the longest scored run)
+    assert len(calls) == 1  # the default budget: one grid (3 requests padded to the longest scored run)
     calls.clear()
     monkeypatch.setenv("KPOOL_LOGITS_BUDGET_MB", str(400 / 2**20))  # 400 bytes: 50 row-pools per chunk
     chunked = run.cache.topk_indices(["a", "b", "c"], q, w, index_topk=16)
@@ -414,7 +414,7 @@ def test_logits_budget_chunks_rows(monkeypatch):
         with pytest.raises(ValueError, match="KPOOL_LOGITS_BUDGET_MB"):
             run.cache.topk_indices(["a", "b", "c"], q, w, index_topk=16)
     monkeypatch.delenv("KPOOL_LOGITS_BUDGET_MB")
-    assert logits_budget_bytes() == 256 << 20
+    assert logits_budget_bytes() == DEFAULT_LOGITS_BUDGET_MB << 20 == 1 << 30
     assert range_checks_enabled()  # on again outside topk_indices, also after its errors
 
 

@@ -35,7 +35,8 @@ from .ops.select import expand_pools_and_append_tail, visible_counts
 from .ops.score import paged_pool_topk
 
 LOGITS_BUDGET_ENV = "KPOOL_LOGITS_BUDGET_MB"
-DEFAULT_LOGITS_BUDGET_MB = 256
+DEFAULT_LOGITS_BUDGET_MB = 1024  # H200, prefill 8,192 queries x 8,192 / 32,768 pools: 256 MiB 6-9 / 28 ms a step
+#                                  (host-bound: ~0.7 ms of launches per grid), 1,024 MiB 4.0 / 11.3 (benchmarks/NOTES.md)
 
 
 class CacheCapacityError(RuntimeError):
@@ -314,7 +315,8 @@ class KPoolCache:
         Memory: the scoring scratch (per-chunk candidate key lists and survivors, 16 bytes per
         row and visible pool; up to 40 in grids small enough to get leaves under 512 pools,
         a few MiB) is bounded by grouping rows so it stays under
-        ``$KPOOL_LOGITS_BUDGET_MB`` MiB (default 256; one row at least). Rows that see at
+        ``$KPOOL_LOGITS_BUDGET_MB`` MiB (default 1024; one row at least). Each grid costs
+        ~0.7 ms of host work (its launches), so smaller budgets make long prefill chunks host-bound. Rows that see at
         most ``select_k`` pools are not scored (their selection is every visible pool).
 
         Parameters
@@ -381,8 +383,8 @@ class KPoolCache:
 
     def _identity_rows(self, out, runs, select_k, width) -> None:
         """Rows seeing at most ``select_k`` pools: every visible pool in order, then the tail."""
-        pos = _upload(torch.cat([torch.arange(a, a + n, dtype=torch.int64) for _, a, n in runs]), self.device)
-        seq, lens = visible_counts(pos, self.pool_size)
+        _, seq, lens = _row_counts(torch.cat([torch.arange(a, a + n, dtype=torch.int64) for _, a, n in runs]),
+                                   self.pool_size, self.device)
         cols = torch.arange(select_k, dtype=torch.int64, device=self.device)
         ids = torch.where(cols[None, :] < lens[:, None], cols[None, :], -1).to(torch.int32)
         idx = expand_pools_and_append_tail(ids, seq, self.pool_size, width=width)
@@ -399,7 +401,7 @@ class KPoolCache:
         dev, batch, n = self.device, len(chunk), max(ms)
         col = torch.arange(n, dtype=torch.int64)
         pad = col[None, :] >= torch.tensor(ms)[:, None]  # [B, n]
-        pos = torch.tensor(starts)[:, None].add(col).masked_fill_(pad, -1).to(torch.int32)
+        pos, seq, lens = _row_counts(torch.tensor(starts)[:, None].add(col).masked_fill_(pad, -1), self.pool_size, dev)
         r0 = first_rows[0]
         if all(m == n for m in ms) and first_rows == list(range(r0, r0 + batch * n, n)):  # contiguous: no gathers
             q8c, wc, rows = q8[r0:r0 + batch * n], w[r0:r0 + batch * n], r0
@@ -413,8 +415,8 @@ class KPoolCache:
             pt = page_table.index_select(0, _upload(torch.tensor(reqs, dtype=torch.int64), dev))
         idx = score_and_select_quantized(
             q8c.reshape(batch, n, *q8.shape[1:]), wc.reshape(batch, n, w.shape[1]), self.kv_cache, pt,
-            _upload(pos, dev), pool_size=self.pool_size, select_k=select_k, width=width, max_pools=max(vis),
-            layout=self.layout, fp8_dtype=self.fp8_dtype)
+            pos, pool_size=self.pool_size, select_k=select_k, width=width, max_pools=max(vis),
+            layout=self.layout, fp8_dtype=self.fp8_dtype, counts=(seq, lens))
         _put_rows(out, rows, idx)
 
     # ------------------------------------------------------------------ helpers
@@ -485,7 +487,7 @@ class KPoolCache:
 
 # ---------------------------------------------------------------------- scoring helpers
 def logits_budget_bytes() -> int:
-    """``$KPOOL_LOGITS_BUDGET_MB`` (MiB, default 256) in bytes: the cap of one scoring chunk's scratch."""
+    """``$KPOOL_LOGITS_BUDGET_MB`` (MiB, default 1024) in bytes: the cap of one scoring chunk's scratch."""
     raw = os.environ.get(LOGITS_BUDGET_ENV, "").strip()
     if not raw:
         return DEFAULT_LOGITS_BUDGET_MB << 20
@@ -548,6 +550,16 @@ def _upload(t: torch.Tensor, device) -> torch.Tensor:
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def _row_counts(pos: torch.Tensor, pool_size: int, device) -> tuple:
+    """Host int64 positions ``pos [...]`` (negative = padding row) -> ``(pos, seq_lens,
+    pool_lens)`` on ``device`` in one upload: the positions (same shape) and, flattened,
+    ``select.visible_counts`` of them, computed on the host (where the cache built them)
+    instead of in a launch of their own."""
+    seq = (pos + 1).clamp_min_(0)
+    rows = _upload(torch.stack((pos, seq, seq // pool_size)).reshape(3, -1), device)
+    return rows[0].view(pos.shape), rows[1], rows[2]
 
 
 def _put_rows(out, rows, idx) -> None:
