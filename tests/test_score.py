@@ -325,6 +325,21 @@ def test_wide_plan_doubles_filtering_leaves_of_long_rows(monkeypatch):
     assert score.wide_plan(128, 262144, 512, "cuda") == (512, 512)
 
 
+def test_wide_plan_halves_filtering_leaves_of_rows_with_few(monkeypatch):
+    """On a GPU of 132 SMs at select_k 512, a prefill chunk of 8,192 rows: leaves of 512 are
+    halved to 256 while the longest row has 8-12 of them (their position keys, 64 each, at
+    most 1.5 x select_k); 13 and more keep 512; rows of 4 leaves do not filter and keep 512;
+    so does every row under the exact scorer."""
+    monkeypatch.setattr(topk, "_sm_count", lambda device: 132)
+    monkeypatch.delenv(score.SCORER_ENV, raising=False)
+    for n_cols in (4096, 4608, 6143, 6144, 6655):
+        assert score.wide_plan(8192, n_cols, 512, "cuda") == (256, -(-n_cols // 256)), n_cols
+    for n_cols in (2048, 6656, 8192):
+        assert score.wide_plan(8192, n_cols, 512, "cuda") == (512, -(-n_cols // 512)), n_cols
+    monkeypatch.setenv(score.SCORER_ENV, "exact")
+    assert score.wide_plan(8192, 4096, 512, "cuda") == (512, 8)
+
+
 def test_scorer_switch(device, monkeypatch, filter_choices):
     """``$KPOOL_SCORER``: filter by default (and when set so), exact on request, else an error."""
     monkeypatch.setenv("KPOOL_BACKEND", "triton")

@@ -80,6 +80,11 @@ FILTER_MAX_RANK = topk.POSITION_KEYS  # launches filter when their longest row's
 FILTER_WIDE_HEADS = 8  # filtering leaves of 2 x KB pools (wide_plan) for rows whose full leaves of that size
 #                        still hold this many times select_k heads (128 x 1M: 256 x 16 = 8 x 512; H200:
 #                        1,738 -> 1,638 us)
+FILTER_TIGHT_KEYS = 1.5  # filtering leaves halved (wide_plan, down to FILTER_MIN_CHUNK) while the longest row's
+#                         full leaves hold at most this many times select_k position keys (at 512: up to 12 leaves):
+#                         the row bound is then the select_k-th of twice the maxima, each over half the pools
+#                         (H200, prefill 8,192 queries x 4,096 / 5,120 / 6,144 / 7,168 pools, ms: 6.5 -> 4.1,
+#                         6.1 -> 3.9, 4.7 -> 4.2, 4.5 -> 4.6)
 REFINE_PROGRAMS_PER_SM = 4  # refine grid target (refine_programs) ...
 REFINE_SURVIVORS = 1.25  # ... and survivors per select_k it plans for (H200, 32 x 128K: ~580 per 512; 9 -> 11
 #                          programs per row, with the query loaded before the count: refine 8.5 -> 6.7 us)
@@ -244,7 +249,9 @@ def wide_plan(rows: int, n_cols: int, select_k: int, device) -> tuple:
     ``2 * KB`` for filtering leaves when the grid still fills the GPU and the rows are long
     enough (``FILTER_WIDE_HEADS``): a filtering list holds ``2 * KB`` pools' int32 upper codes,
     and the leaf's work outside its tile loop (query set-up, heads) is spread over twice the
-    tiles."""
+    tiles. Filtering leaves of rows with few of them are halved instead (``FILTER_TIGHT_KEYS``):
+    their bound comes from the leaves' position keys, loose when those barely outnumber
+    ``select_k`` (at 8 leaves of 512 it is the least of 512 maxima)."""
     chunk, n_chunks = topk.plan_leaves(rows, n_cols, select_k, device, BLOCK_POOLS)
     kb = topk.key_block(select_k)
     wide = 2 * chunk
@@ -252,6 +259,10 @@ def wide_plan(rows: int, n_cols: int, select_k: int, device) -> tuple:
     if (chunk == kb and sms and rows * triton.cdiv(n_cols, wide) >= topk.PROGRAMS_PER_SM * sms
             and filters(wide, kb, triton.cdiv(n_cols, wide), n_cols, select_k)):
         return wide, triton.cdiv(n_cols, wide)
+    while (chunk // 2 >= FILTER_MIN_CHUNK and (n_cols // chunk) * topk.POSITION_KEYS <= FILTER_TIGHT_KEYS * select_k
+           and filters(chunk, kb, n_chunks, n_cols, select_k)):
+        chunk //= 2
+        n_chunks = triton.cdiv(n_cols, chunk)
     return chunk, n_chunks
 
 
