@@ -312,12 +312,12 @@ class KPoolCache:
         ``select_k``), expanded to tokens plus the tail (``expand_pools_and_append_tail``).
         No index exceeds the row's position.
 
-        Memory: the scoring scratch (per-chunk candidate key lists and survivors, 16 bytes per
-        row and visible pool; up to 40 in grids small enough to get leaves under 512 pools,
-        a few MiB) is bounded by grouping rows so it stays under
-        ``$KPOOL_LOGITS_BUDGET_MB`` MiB (default 1024; one row at least). Each grid costs
-        ~0.7 ms of host work (its launches), so smaller budgets make long prefill chunks host-bound. Rows that see at
-        most ``select_k`` pools are not scored (their selection is every visible pool).
+        Memory: the scoring scratch of a grid of rows (candidate key lists and survivors, at
+        most ``SCRATCH_BYTES_PER_POOL`` = 21 bytes per row and visible pool) stays under
+        ``$KPOOL_LOGITS_BUDGET_MB`` MiB (default 1024; one row at least): rows are grouped into
+        grids under it. Each grid costs ~0.7 ms of host work (its launches), so a small budget
+        makes long prefill chunks host-bound. Rows that see at most ``select_k`` pools are not
+        scored (their selection is every visible pool).
 
         Parameters
         ----------
