@@ -25,6 +25,7 @@ Caches start filled with random bytes, so a pool that was never written fails.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import random
 
 import pytest
@@ -36,7 +37,8 @@ from hypothesis import strategies as st
 from kpool import cache as cache_mod
 from kpool import numerics, reference
 from kpool._checks import own_indices, range_checks_enabled
-from kpool.cache import DEFAULT_LOGITS_BUDGET_MB, SCRATCH_BYTES_PER_POOL, KPoolCache, _plan_chunks, logits_budget_bytes, score_and_select
+from kpool.cache import (DEFAULT_LOGITS_BUDGET_MB, SCRATCH_BYTES_PER_POOL, TORCH_SCRATCH_BYTES_PER_POOL, KPoolCache,
+                         _plan_chunks, logits_budget_bytes, score_and_select, scratch_bytes_per_pool)
 from kpool.indexer import KPoolIndexer
 
 from _util import random_bytes_like
@@ -369,18 +371,28 @@ def test_every_position_class_prefill_and_verify(backend):
 def test_plan_chunks_covers_rows_within_budget():
     items = [(0, 0, 100, 30, 33), (1, 30, 40, 1, 10), (2, 31, 50, 1, 12), (3, 32, 60, 4, 16),
              (4, 36, 1000, 200, 300)]
-    for budget in (4, 64, 500, 4096, 1 << 20):
+    for budget, per_pool in itertools.product((4, 64, 500, 4096, 1 << 20), (SCRATCH_BYTES_PER_POOL, 72)):
         seen = []
-        for chunk in _plan_chunks(items, budget, 4):
+        for chunk in _plan_chunks(items, budget, 4, per_pool):
             n = max(c[3] for c in chunk)
             vis = max(c[4] for c in chunk)
-            assert len(chunk) * n * vis * SCRATCH_BYTES_PER_POOL <= budget or (len(chunk) == 1 and n == 1)
+            assert len(chunk) * n * vis * per_pool <= budget or (len(chunk) == 1 and n == 1)
             assert len(chunk) * n <= 2 * sum(c[3] for c in chunk)
             for i, r0, a, m, v in chunk:
                 assert v == (a + m) // 4 or m == items[i][3]
                 seen += [(r0 + t, a + t) for t in range(m)]
         want = [(r0 + t, a + t) for _, r0, a, m, _ in items for t in range(m)]
         assert sorted(seen) == want
+
+
+def test_scratch_per_pool_follows_the_backend(monkeypatch):
+    """The row planner charges the Triton kernels' scratch, or the torch oracle's (3.4x larger)."""
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("KPOOL_BACKEND", "torch")
+    assert scratch_bytes_per_pool(cpu) == TORCH_SCRATCH_BYTES_PER_POOL
+    monkeypatch.setenv("KPOOL_BACKEND", "triton")
+    dev = torch.device("cuda") if torch.cuda.is_available() else cpu  # CPU: Triton's interpreter (conftest)
+    assert scratch_bytes_per_pool(dev) == SCRATCH_BYTES_PER_POOL
 
 
 def test_logits_budget_chunks_rows(monkeypatch):
@@ -403,12 +415,14 @@ def test_logits_budget_chunks_rows(monkeypatch):
     run.cache.topk_indices(["a", "b", "c"], q, w, index_topk=16)
     assert len(calls) == 1  # the default budget: one grid (3 requests padded to the longest scored run)
     calls.clear()
-    monkeypatch.setenv("KPOOL_LOGITS_BUDGET_MB", str(400 / 2**20))  # 400 bytes: 50 row-pools per chunk
+    monkeypatch.setenv("KPOOL_LOGITS_BUDGET_MB", str(2000 / 2**20))  # 2,000 bytes: 27 row-pools per chunk
     chunked = run.cache.topk_indices(["a", "b", "c"], q, w, index_topk=16)
     assert torch.equal(chunked, full)
-    assert len(calls) > 3 and all(rows * pools * SCRATCH_BYTES_PER_POOL <= 400 or rows == 1
+    assert scratch_bytes_per_pool(q.device) == TORCH_SCRATCH_BYTES_PER_POOL  # the torch backend's scratch
+    assert len(calls) > 3 and all(rows * pools * TORCH_SCRATCH_BYTES_PER_POOL <= 2000 or rows == 1
                                   for rows, pools in calls), calls
-    assert logits_budget_bytes() == 400
+    assert any(rows > 1 for rows, _ in calls), calls  # grids of several rows, not one row each
+    assert logits_budget_bytes() == 2000
     for bad in ("0", "-1", "abc", "nan", "inf"):
         monkeypatch.setenv("KPOOL_LOGITS_BUDGET_MB", bad)
         with pytest.raises(ValueError, match="KPOOL_LOGITS_BUDGET_MB"):

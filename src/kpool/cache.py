@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ._backend import backend_for
 from ._checks import check_positive_int, check_slot_count, check_tensor, own_indices
 from .layout import (ENTRY_BYTES, HEAD_DIM, read_entries, resolve_fp8_dtype, resolve_layout, ring_size)
 from .ops.decode import kpool_decode_update_and_maybe_write_cache_batched
@@ -313,7 +314,8 @@ class KPoolCache:
         No index exceeds the row's position.
 
         Memory: the scoring scratch of a grid of rows (candidate key lists and survivors, at
-        most ``SCRATCH_BYTES_PER_POOL`` = 21 bytes per row and visible pool) stays under
+        most ``SCRATCH_BYTES_PER_POOL`` = 21 bytes per row and visible pool; 72 on the torch
+        backend, ``scratch_bytes_per_pool``) stays under
         ``$KPOOL_LOGITS_BUDGET_MB`` MiB (default 1024; one row at least): rows are grouped into
         grids under it. Each grid costs ~0.7 ms of host work (its launches), so a small budget
         makes long prefill chunks host-bound. Rows that see at most ``select_k`` pools are not
@@ -377,7 +379,7 @@ class KPoolCache:
                 self._identity_rows(out, short, select_k, width)
             if items:
                 page_table = self.page_table(request_ids)
-                for chunk in _plan_chunks(items, budget, self.pool_size):
+                for chunk in _plan_chunks(items, budget, self.pool_size, scratch_bytes_per_pool(self.device)):
                     self._score_chunk(out, chunk, q8, w, page_table, select_k, width, total)
         return out[:total]
 
@@ -502,13 +504,22 @@ def logits_budget_bytes() -> int:
 
 # paged_pool_topk's scratch per row and pool: the leaves' key lists (8 * (HEAD + POSITION_KEYS +
 # min(chunk, KB)) bytes per filtering leaf of chunk >= MIN_CHUNK = 128 pools: at most 13 per pool)
-# and at most 8 bytes of survivors (topk.threshold_select)
+# and at most 8 bytes of survivors (topk.threshold_select) ...
 SCRATCH_BYTES_PER_POOL = 21
+# ... and on the torch backend (reference.paged_pool_logits + select_pools: fp64 dot products, fp32
+# head partial sums, the logits and their ranking keys; CPU peak RSS growth 55-68 bytes per row and
+# pool at 512-2,048 rows x 4,096-8,192 pools)
+TORCH_SCRATCH_BYTES_PER_POOL = 72
 
 
-def _plan_chunks(items, budget, pool_size):
-    """Group long-row runs into grids whose scoring scratch (``SCRATCH_BYTES_PER_POOL`` per row
-    and pool of ``[B * n, max_pools]``) fits ``budget`` bytes.
+def scratch_bytes_per_pool(device) -> int:
+    """Scoring scratch per row and visible pool of ``paged_pool_topk`` on ``device``'s backend."""
+    return TORCH_SCRATCH_BYTES_PER_POOL if backend_for(device) == "torch" else SCRATCH_BYTES_PER_POOL
+
+
+def _plan_chunks(items, budget, pool_size, per_pool=SCRATCH_BYTES_PER_POOL):
+    """Group long-row runs into grids whose scoring scratch (``per_pool`` bytes per row and
+    pool of ``[B * n, max_pools]``: ``scratch_bytes_per_pool``) fits ``budget`` bytes.
 
     ``items``: ``(request index, first row, first position, rows m, visible pools of the last
     row)`` in row order. Consecutive items share a grid (padded to the longest run) while the
@@ -517,15 +528,15 @@ def _plan_chunks(items, budget, pool_size):
     chunks, cur = [], []
 
     def cost(group):
-        return len(group) * max(it[3] for it in group) * max(it[4] for it in group) * SCRATCH_BYTES_PER_POOL
+        return len(group) * max(it[3] for it in group) * max(it[4] for it in group) * per_pool
 
     for it in items:
         i, r0, a, m, vis = it
-        if m * vis * SCRATCH_BYTES_PER_POOL > budget:  # alone over budget: pieces of whole rows (at least one)
+        if m * vis * per_pool > budget:  # alone over budget: pieces of whole rows (at least one)
             if cur:
                 chunks.append(cur)
                 cur = []
-            step = max(1, budget // (SCRATCH_BYTES_PER_POOL * vis))
+            step = max(1, budget // (per_pool * vis))
             for t in range(0, m, step):
                 k = min(step, m - t)
                 chunks.append([(i, r0 + t, a + t, k, (a + t + k) // pool_size)])
