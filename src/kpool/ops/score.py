@@ -83,8 +83,8 @@ FILTER_WIDE_HEADS = 8  # filtering leaves of 2 x KB pools (wide_plan) for rows w
 FILTER_TIGHT_KEYS = 1.5  # filtering leaves halved (wide_plan, down to FILTER_MIN_CHUNK) while the longest row's
 #                         full leaves hold at most this many times select_k position keys (at 512: up to 12 leaves):
 #                         the row bound is then the select_k-th of twice the maxima, each over half the pools
-#                         (H200, prefill 8,192 queries x 4,096 / 5,120 / 6,144 / 7,168 pools, ms: 6.5 -> 4.1,
-#                         6.1 -> 3.9, 4.7 -> 4.2, 4.5 -> 4.6)
+#                         (H200, prefill 8,192 queries x 4,096 / 5,120 / 6,144 pools, ms: 6.5 -> 4.1, 6.1 -> 3.9,
+#                         4.7 -> 4.2; halving at 7,168 pools, 14 leaves, would cost 4.5 -> 4.6)
 REFINE_PROGRAMS_PER_SM = 4  # refine grid target (refine_programs) ...
 REFINE_SURVIVORS = 1.25  # ... and survivors per select_k it plans for (H200, 32 x 128K: ~580 per 512; 9 -> 11
 #                          programs per row, with the query loaded before the count: refine 8.5 -> 6.7 us)
