@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import reference
 from ._backend import backend_for
 from ._checks import check_positive_int, check_slot_count, check_tensor, own_indices
 from .layout import (ENTRY_BYTES, HEAD_DIM, read_entries, resolve_fp8_dtype, resolve_layout, ring_size)
@@ -566,10 +567,9 @@ def _upload(t: torch.Tensor, device) -> torch.Tensor:
 def _row_counts(pos: torch.Tensor, pool_size: int, device) -> tuple:
     """Host int64 positions ``pos [...]`` (negative = padding row) -> ``(pos, seq_lens,
     pool_lens)`` on ``device`` in one upload: the positions (same shape) and, flattened,
-    ``select.visible_counts`` of them, computed on the host (where the cache built them)
-    instead of in a launch of their own."""
-    seq = (pos + 1).clamp_min_(0)
-    rows = _upload(torch.stack((pos, seq, seq // pool_size)).reshape(3, -1), device)
+    ``select.visible_counts`` of them, computed on the host (``reference.visible_counts``, where
+    the cache built them) instead of in a launch of their own."""
+    rows = _upload(torch.stack((pos, *reference.visible_counts(pos, pool_size))).reshape(3, -1), device)
     return rows[0].view(pos.shape), rows[1], rows[2]
 
 

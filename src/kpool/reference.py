@@ -378,8 +378,11 @@ def head_weight_scale(heads: int) -> float:
     return HEAD_DIM ** -0.5 * heads ** -0.5
 
 
-def _visible_pools(positions, pool_size):
-    return torch.div(positions.to(torch.int64) + 1, pool_size, rounding_mode="floor").clamp_min(0)
+def visible_counts(positions, pool_size):
+    """Tokens and complete pools a query at each position sees: int64 ``max(pos + 1, 0)`` and
+    that ``// pool_size`` (the shape of ``positions``; a negative position is a padding row)."""
+    seq = (positions.to(torch.int64) + 1).clamp_min(0)
+    return seq, torch.div(seq, pool_size, rounding_mode="floor")
 
 
 def serving_pool_logits(q, weights, keys, gates, ape, positions, pool_size, fp8_dtype, round_scale=True):
@@ -398,7 +401,7 @@ def serving_pool_logits(q, weights, keys, gates, ape, positions, pool_size, fp8_
     qc, qs = numerics.rotate_quant_rows(q.reshape(-1, HEAD_DIM), fp8_dtype, round_scale)
     w = fold_head_weights(weights, qs.reshape(s_rows, heads))
     scores = pool_scores(qc.reshape(s_rows, heads, HEAD_DIM), w, codes, scale, fp8_dtype)
-    lens = _visible_pools(positions, p)
+    lens = visible_counts(positions, p)[1]
     j = torch.arange(n, device=q.device, dtype=torch.int64)
     return torch.where(j[None, :] < lens[:, None], scores, float("-inf")), lens
 
@@ -453,7 +456,7 @@ def hf_pool_logits(q, weights, keys, gates, ape, positions, pool_size, round_ape
     out = torch.zeros((s_rows, n), dtype=_F32, device=q.device)
     for h in range(heads):
         out = out + w[:, h, None] * torch.relu((qf[:, h] @ pooled.T) * scale)
-    lens = _visible_pools(positions, p)
+    lens = visible_counts(positions, p)[1]
     j = torch.arange(n, device=q.device, dtype=torch.int64)
     return torch.where(j[None, :] < lens[:, None], out, float("-inf")), lens
 

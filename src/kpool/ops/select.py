@@ -464,8 +464,7 @@ def visible_counts(positions, pool_size):
     check_tensor("positions", positions, dtype=INT_DTYPES)
     pos = positions.reshape(-1)
     if backend_for(positions.device) == "torch":
-        seq = (pos.to(torch.int64) + 1).clamp_min(0)
-        return seq, torch.div(seq, pool_size, rounding_mode="floor")
+        return reference.visible_counts(pos, pool_size)
     n = pos.numel()
     out = torch.empty((2, n), dtype=torch.int64, device=positions.device)
     if n:
