@@ -371,7 +371,8 @@ def test_every_position_class_prefill_and_verify(backend):
 def test_plan_chunks_covers_rows_within_budget():
     items = [(0, 0, 100, 30, 33), (1, 30, 40, 1, 10), (2, 31, 50, 1, 12), (3, 32, 60, 4, 16),
              (4, 36, 1000, 200, 300)]
-    for budget, per_pool in itertools.product((4, 64, 500, 4096, 1 << 20), (SCRATCH_BYTES_PER_POOL, TORCH_SCRATCH_BYTES_PER_POOL)):
+    per_pools = (SCRATCH_BYTES_PER_POOL, TORCH_SCRATCH_BYTES_PER_POOL)
+    for budget, per_pool in itertools.product((4, 64, 500, 4096, 1 << 20), per_pools):
         seen = []
         for chunk in _plan_chunks(items, budget, 4, per_pool):
             n = max(c[3] for c in chunk)
