@@ -168,6 +168,35 @@ def test_exactness_run_picks_ops(device, capsys):
     assert "--ops takes a comma list" in capsys.readouterr().err
 
 
+def test_exactness_run_selection_cases(device, monkeypatch):
+    """``check_selection`` at a size that filters (leaves of 128 allowed to): verify rows, exact
+    ties from duplicated entries, the fused expansion at a rounded width; then random cases
+    through ``run_checks``. Nothing differs, and a changed id is counted."""
+    import kpool
+    from kpool import exactness
+    monkeypatch.setattr(score, "FILTER_MIN_CHUNK", 0)
+    monkeypatch.delenv(score.SCORER_ENV, raising=False)
+    case = dict(requests=2, next_n=3, pools=2304, heads=16, select_k=128, dup_every=3, expand=True,
+                round_width=True, fp8_dtype=torch.float8_e4m3fn, layout="plain")
+    gen = torch.Generator().manual_seed(9)
+    diff, total, filtered = exactness.check_selection(case, device, gen)
+    assert filtered and diff == 0 and total == 6 * 128 + 6 * 640
+    lines = []
+    rows, bad = exactness.run_checks(("select",), 8, 64, 2, 600, (16,), device, torch.Generator().manual_seed(3),
+                                     log=lines.append, select_cases=3, select_size=1500)
+    assert bad == 0 and [r["op"] for r in rows] == ["select"] * 3 and len(lines) == 3
+    real = kpool.paged_pool_topk
+
+    def off_by_one(*args, **kw):
+        ids = real(*args, **kw)
+        ids[-1, 0] += 1
+        return ids
+
+    monkeypatch.setattr(kpool, "paged_pool_topk", off_by_one)
+    case.update(expand=False, pools=300)
+    assert exactness.check_selection(case, device, gen)[0] == 1
+
+
 def test_exactness_run_scoring_check_counts_differences(device, monkeypatch):
     """The check is not vacuous: a selection with one id changed is one differing value."""
     import kpool

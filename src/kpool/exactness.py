@@ -7,7 +7,9 @@ then decode / verify steps (``decode_cases``: next_n 1, 4 and P + 1, at 64 reque
 ``--decode-requests``, covering every warp count of the decode kernel); then the scorers
 (``check_scores``: paged logits and the fused selection over ``--score-requests`` x
 ``--score-pools`` random fp8 pools, both formats, both layouts, ``--heads``; each line says
-whether the fused selection's leaves filtered, ``ops/score.py``). ``--ops`` picks
+whether the fused selection's leaves filtered, ``ops/score.py``); then ``--select-cases``
+random selection cases (``check_selection``: requests, verify rows, lengths, heads,
+``select_k``, exact ties, fused expansion all drawn at random). ``--ops`` picks
 a subset (``compress,decode,score``) so that a run fits a device call's time limit. Prints one
 line per case and exits non-zero on any differing byte.
 """
@@ -164,6 +166,74 @@ def check_scores(num_req, n_pools, heads, select_k, fp8_dtype, layout, device, g
     return int((~same).sum()) + int((got_ids != want_ids).sum()), got.numel() + got_ids.numel(), any(filtered)
 
 
+def random_selection_case(gen, max_rows_x_pools=1 << 20):
+    """One random ``check_selection`` case: a dict of ``requests``, ``next_n``, ``pools`` (the
+    longest row's), ``heads``, ``select_k``, ``dup_every``, ``expand``, ``round_width`` (the expansion's width
+    rounded up to a multiple of 128) and the fp8 format / layout, drawn so that rows x pools stays under ``max_rows_x_pools``."""
+    def pick(options):
+        return options[int(torch.randint(0, len(options), (1,), generator=gen))]
+
+    next_n = pick((1, 1, 2, 3, 4, 5))
+    requests = pick((1, 2, 3, 8, 17, 32, 64))
+    select_k = pick((1, 7, 64, 256, 512, 512, 1024, 2048))
+    cap = max(64, max_rows_x_pools // (requests * next_n))
+    pools = int(torch.randint(1, cap + 1, (1,), generator=gen))
+    return dict(requests=requests, next_n=next_n, pools=pools, heads=pick((16, 32, 32, 64)), select_k=select_k,
+                dup_every=pick((0, 0, 3, 50)), expand=pick((False, True)), round_width=pick((False, True)),
+                fp8_dtype=pick((torch.float8_e4m3fn, torch.float8_e4m3fnuz)), layout=pick(("plain", "preshuffle")))
+
+
+def check_selection(case, device, gen, page=64):
+    """``paged_pool_topk`` (Triton on ``device``, with and without its fused expansion) vs the
+    torch reference on the CPU for one ``random_selection_case``: ``next_n`` rows per request
+    whose visible counts grow along the step (a verify step), some requests at most
+    ``select_k`` pools, and with ``dup_every`` > 0 every such pool a copy of an earlier entry
+    (same codes and scale: exact ties across leaves and pages). Returns ``(differing values,
+    compared, filtered)``."""
+    import kpool
+    from kpool import reference
+    from kpool.layout import write_entries
+
+    b, n, pools, k = case["requests"], case["next_n"], case["pools"], case["select_k"]
+    fp8_dtype, layout = case["fp8_dtype"], case["layout"]
+    pages_per = -(-pools // page)
+    num_pages = b * pages_per + 1
+    kv = torch.randint(0, 256, (num_pages, page, 132), dtype=torch.uint8, generator=gen)
+    slots = num_pages * page
+    codes = _finite_codes((slots, 128), fp8_dtype, gen)
+    scales = torch.exp2(torch.randint(-14, -4, (slots,), generator=gen).float())
+    scales[::7] *= 1.375
+    if case["dup_every"]:
+        src = torch.randint(0, slots, (slots,), generator=gen)
+        dup = torch.arange(slots) % case["dup_every"] == 0
+        codes[dup], scales[dup] = codes[src[dup]], scales[src[dup]]
+    write_entries(kv, torch.arange(slots), codes, scales, layout)
+    page_table = torch.randperm(num_pages, generator=gen)[: b * pages_per].view(b, pages_per)
+    last = torch.randint(0, pools + 1, (b, 1), generator=gen)
+    last[: max(1, b // 8)] = torch.randint(0, min(k, pools) + 1, (max(1, b // 8), 1), generator=gen)
+    steps = torch.randint(0, 2, (b, n), generator=gen)  # row j sees the pools of rows > j less their steps
+    pool_lens = (last - (steps.flip(1).cumsum(1).flip(1) - steps)).clamp_min(0)
+    q = _finite_codes((b, n, case["heads"], 128), fp8_dtype, gen).view(fp8_dtype)
+    w = torch.randn(b, n, case["heads"], generator=gen) * 0.05
+    args = (q, kv, w, pool_lens, page_table)
+    opts = dict(layout=layout, fp8_dtype=fp8_dtype, max_pools=pools)
+    want = reference.select_pools(_with_backend("torch", lambda: kpool.paged_pool_logits(*args, **opts)),
+                                  pool_lens.view(-1), k)
+    dev = tuple(a.to(device) for a in args)
+    with filter_decisions() as filtered:
+        got = _with_backend("triton", lambda: kpool.paged_pool_topk(*dev, k, **opts)).cpu()
+    diff, total = int((got != want).sum()), got.numel()
+    if case["expand"]:
+        p = 4
+        seq_lens = (pool_lens.view(-1) * p + torch.randint(0, p, (b * n,), generator=gen)).to(torch.int32)
+        width = -(-(k * p + p - 1) // 128) * 128 if case["round_width"] else None
+        want_tok = reference.expand_pools_and_append_tail(want, seq_lens, p, width=width)
+        got_tok = _with_backend("triton", lambda: kpool.paged_pool_topk(
+            *dev, k, **opts, expand=(seq_lens.to(device), p, width))).cpu()
+        diff, total = diff + int((got_tok != want_tok).sum()), total + got_tok.numel()
+    return diff, total, any(filtered)
+
+
 def decode_cases(p, many):
     """``(ring multiple, next_n, requests)`` of the decode checks: plain decode and a 4-token
     verify step with many requests and with 64 (every warp count of ``decode.decode_warps``),
@@ -173,7 +243,7 @@ def decode_cases(p, many):
     return ((1, 1, many), (2, 4, many), (2, 4, 64), (1, p + 1, 64), (1, p + 1, many))
 
 
-OPS = ("compress", "decode", "score")
+OPS = ("compress", "decode", "score", "select")
 
 
 def _op_list(text: str) -> tuple:
@@ -184,9 +254,12 @@ def _op_list(text: str) -> tuple:
     return ops
 
 
-def run_checks(ops, pools, decode_requests, score_requests, score_pools, heads, device, gen, log=print):
+def run_checks(ops, pools, decode_requests, score_requests, score_pools, heads, device, gen, log=print,
+               select_cases=0, select_budget_s=float("inf"), select_size=1 << 20):
     """The cases of ``ops`` (a subset of ``OPS``) on ``device``; returns ``(rows, differing)``:
-    one dict per case and the total of differing bytes / values. ``log`` gets one line per case."""
+    one dict per case and the total of differing bytes / values. ``log`` gets one line per case.
+    ``select``: ``select_cases`` random ``check_selection`` cases of at most ``select_size``
+    rows x pools, none started after ``select_budget_s`` seconds."""
     rows, bad = [], 0
     for p in (4, 16):
         for fp8 in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
@@ -216,18 +289,36 @@ def run_checks(ops, pools, decode_requests, score_requests, score_pools, heads, 
                     f"pools={score_pools} {'filtered' if filtered else 'exact leaves'} "
                     f"differing values {diff} / {total}  ({time.perf_counter() - t0:.1f}s)")
                 bad += diff
+    t_start = time.perf_counter()
+    for i in range(select_cases if "select" in ops else 0):
+        if time.perf_counter() - t_start > select_budget_s:
+            log(f"select   stopped after {i} cases (--select-budget-s {select_budget_s:g})")
+            break
+        case = random_selection_case(gen, select_size)
+        t0 = time.perf_counter()
+        diff, total, filtered = check_selection(case, device, gen)
+        desc = " ".join(f"{key}={str(v).replace('torch.float8_', '')}" for key, v in case.items())
+        rows.append(dict(op="select", **{key: str(v) for key, v in case.items()}, filtered=filtered,
+                         values_compared=total, differing_values=diff))
+        log(f"select   {desc} {'filtered' if filtered else 'exact leaves'} "
+            f"differing values {diff} / {total}  ({time.perf_counter() - t0:.1f}s)")
+        bad += diff
     return rows, bad
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--ops", type=_op_list, default=OPS, help="comma list of compress, decode, score")
+    parser.add_argument("--ops", type=_op_list, default=OPS, help="comma list of compress, decode, score, select")
     parser.add_argument("--pools", type=int, default=65536)
     parser.add_argument("--decode-requests", type=int, default=2048)
     parser.add_argument("--score-requests", type=int, default=32)
     parser.add_argument("--score-pools", type=int, default=16384)
     parser.add_argument("--heads", type=lambda t: tuple(int(h) for h in t.split(",")), default=(32,),
                         help="comma list of H for the scoring cases")
+    parser.add_argument("--select-cases", type=int, default=40, help="random selection cases (--ops select)")
+    parser.add_argument("--select-size", type=int, default=1 << 20, help="most rows x pools of a selection case")
+    parser.add_argument("--select-budget-s", type=float, default=float("inf"),
+                        help="start no selection case after this many seconds")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -235,7 +326,8 @@ def main(argv=None) -> int:
         return 2
     rows, bad = run_checks(args.ops, args.pools, args.decode_requests, args.score_requests, args.score_pools,
                            args.heads, torch.device("cuda"), torch.Generator().manual_seed(1234),
-                           log=lambda line: print(line, flush=True))
+                           log=lambda line: print(line, flush=True), select_cases=args.select_cases,
+                           select_budget_s=args.select_budget_s, select_size=args.select_size)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
