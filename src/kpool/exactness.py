@@ -173,7 +173,7 @@ def random_selection_case(gen, max_rows_x_pools=1 << 20):
     def pick(options):
         return options[int(torch.randint(0, len(options), (1,), generator=gen))]
 
-    next_n = pick((1, 1, 2, 3, 4, 5))
+    next_n = pick((1, 1, 2, 3, 4, 5, 256))  # 256: a prefill chunk's rows (KPoolCache scores them as one request)
     requests = pick((1, 2, 3, 8, 17, 32, 64))
     select_k = pick((1, 7, 64, 256, 512, 512, 1024, 2048))
     cap = max(64, max_rows_x_pools // (requests * next_n))
@@ -186,7 +186,8 @@ def random_selection_case(gen, max_rows_x_pools=1 << 20):
 def check_selection(case, device, gen, page=64):
     """``paged_pool_topk`` (Triton on ``device``, with and without its fused expansion) vs the
     torch reference on the CPU for one ``random_selection_case``: ``next_n`` rows per request
-    whose visible counts grow along the step (a verify step), some requests at most
+    whose visible counts grow along the step (a verify step, or a prefill chunk's rows as
+    ``KPoolCache.topk_indices`` scores them), some requests at most
     ``select_k`` pools, and with ``dup_every`` > 0 every such pool a copy of an earlier entry
     (same codes and scale: exact ties across leaves and pages). Returns ``(differing values,
     compared, filtered)``."""
