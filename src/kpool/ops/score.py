@@ -86,8 +86,11 @@ FILTER_TIGHT_KEYS = 1.5  # filtering leaves halved (wide_plan, down to FILTER_MI
 #                         (H200, prefill 8,192 queries x 4,096 / 5,120 / 6,144 pools, ms: 6.5 -> 4.1, 6.1 -> 3.9,
 #                         4.7 -> 4.2; halving at 7,168 pools, 14 leaves, would cost 4.5 -> 4.6)
 REFINE_PROGRAMS_PER_SM = 4  # refine grid target (refine_programs) ...
-REFINE_SURVIVORS = 1.25  # ... and survivors per select_k it plans for (H200, 32 x 128K: ~580 per 512; 9 -> 11
-#                          programs per row, with the query loaded before the count: refine 8.5 -> 6.7 us)
+REFINE_SURVIVORS = 8.0  # ... and survivors per select_k it plans for: a filtering launch's rows under 8 leaves
+#                        keep every pool (up to 8 x select_k) and one such row sets the kernel's time (H200, 32
+#                        rows, 11 -> 17 programs per row, two processes each: mixed 4K-128K 88.9, 89.3 -> 84.7,
+#                        84.6 us, 32 x 32K 55.3 -> 52.1, 32 x 128K 76.3, 76.4 -> 77.0, 77.0; 9 -> 11 programs,
+#                        with the query loaded before the count, had given refine 8.5 -> 6.7 us at 32 x 128K)
 MAX_ROWS = 2  # query rows of one request per program (H200, verify 32 x 128K x 4 / prefill 8192 x 32K:
 #               1 row 1,092 us / 69.2 ms, 2 rows 866 / 54.9; 4 rows 1,225 / 69.0, 960 / 57.6 uncapped: spills)
 
