@@ -9,8 +9,8 @@ then decode / verify steps (``decode_cases``: next_n 1, 4 and P + 1, at 64 reque
 ``--score-pools`` random fp8 pools, both formats, both layouts, ``--heads``; each line says
 whether the fused selection's leaves filtered, ``ops/score.py``); then ``--select-cases``
 random selection cases (``check_selection``: requests, verify rows, lengths, heads,
-``select_k``, exact ties, fused expansion all drawn at random). ``--ops`` picks
-a subset (``compress,decode,score``) so that a run fits a device call's time limit. Prints one
+``select_k``, exact ties, fused expansion all drawn at random). ``--ops`` picks a subset
+(``compress,decode,score,select``) so that a run fits a device call's time limit. Prints one
 line per case and exits non-zero on any differing byte.
 """
 
@@ -168,8 +168,9 @@ def check_scores(num_req, n_pools, heads, select_k, fp8_dtype, layout, device, g
 
 def random_selection_case(gen, max_rows_x_pools=1 << 20):
     """One random ``check_selection`` case: a dict of ``requests``, ``next_n``, ``pools`` (the
-    longest row's), ``heads``, ``select_k``, ``dup_every``, ``expand``, ``round_width`` (the expansion's width
-    rounded up to a multiple of 128) and the fp8 format / layout, drawn so that rows x pools stays under ``max_rows_x_pools``."""
+    longest row's), ``heads``, ``select_k``, ``dup_every``, ``expand``, ``round_width`` (the
+    expansion's width rounded up to a multiple of 128) and the fp8 format / layout, drawn so
+    that rows x pools stays under ``max_rows_x_pools``."""
     def pick(options):
         return options[int(torch.randint(0, len(options), (1,), generator=gen))]
 
@@ -187,10 +188,9 @@ def check_selection(case, device, gen, page=64):
     """``paged_pool_topk`` (Triton on ``device``, with and without its fused expansion) vs the
     torch reference on the CPU for one ``random_selection_case``: ``next_n`` rows per request
     whose visible counts grow along the step (a verify step, or a prefill chunk's rows as
-    ``KPoolCache.topk_indices`` scores them), some requests at most
-    ``select_k`` pools, and with ``dup_every`` > 0 every such pool a copy of an earlier entry
-    (same codes and scale: exact ties across leaves and pages). Returns ``(differing values,
-    compared, filtered)``."""
+    ``KPoolCache.topk_indices`` scores them), some requests at most ``select_k`` pools, and with
+    ``dup_every`` > 0 every ``dup_every``-th entry a copy of a random one (same codes and scale:
+    exact ties across leaves and pages). Returns ``(differing values, compared, filtered)``."""
     import kpool
     from kpool import reference
     from kpool.layout import write_entries
