@@ -130,6 +130,29 @@ def filter_decisions():
         score.filters = real
 
 
+def _random_paged_cache(requests, pools, fp8_dtype, layout, gen, page, dup_every=0):
+    """The scoring checks' cache: every entry of a random-byte uint8 ``[pages, page, 132]`` cache
+    rewritten with uniformly random finite codes and power-of-two scales (every 7th x 1.375);
+    with ``dup_every`` > 0 every ``dup_every``-th entry a copy of a random one (same codes and
+    scale: exact ties across leaves and pages). Returns ``(kv, page_table)``, the table int64
+    ``[requests, cdiv(pools, page)]`` of shuffled distinct pages (one page left unused)."""
+    from kpool.layout import write_entries
+    pages_per = -(-pools // page)
+    num_pages = requests * pages_per + 1
+    kv = torch.randint(0, 256, (num_pages, page, 132), dtype=torch.uint8, generator=gen)
+    slots = num_pages * page
+    codes = _finite_codes((slots, 128), fp8_dtype, gen)
+    scales = torch.exp2(torch.randint(-14, -4, (slots,), generator=gen).float())
+    scales[::7] *= 1.375
+    if dup_every:
+        src = torch.randint(0, slots, (slots,), generator=gen)
+        dup = torch.arange(slots) % dup_every == 0
+        codes[dup], scales[dup] = codes[src[dup]], scales[src[dup]]
+    write_entries(kv, torch.arange(slots), codes, scales, layout)
+    page_table = torch.randperm(num_pages, generator=gen)[: requests * pages_per].view(requests, pages_per)
+    return kv, page_table
+
+
 def check_scores(num_req, n_pools, heads, select_k, fp8_dtype, layout, device, gen, page=64):
     """``paged_pool_logits`` and ``paged_pool_topk`` (Triton on ``device``) vs the torch
     reference on the CPU: requests of up to ``n_pools`` random pools each (uniformly random
@@ -139,16 +162,8 @@ def check_scores(num_req, n_pools, heads, select_k, fp8_dtype, layout, device, g
     ``filtered``: whether the fused selection's leaves filtered (``score.filters``)."""
     import kpool
     from kpool import reference
-    from kpool.layout import write_entries
 
-    pages_per = -(-n_pools // page)
-    num_pages = num_req * pages_per + 1
-    kv = torch.randint(0, 256, (num_pages, page, 132), dtype=torch.uint8, generator=gen)
-    slots = num_pages * page
-    scales = torch.exp2(torch.randint(-14, -4, (slots,), generator=gen).float())
-    scales[::7] *= 1.375
-    write_entries(kv, torch.arange(slots), _finite_codes((slots, 128), fp8_dtype, gen), scales, layout)
-    page_table = torch.randperm(num_pages, generator=gen)[: num_req * pages_per].view(num_req, pages_per)
+    kv, page_table = _random_paged_cache(num_req, n_pools, fp8_dtype, layout, gen, page)
     pool_lens = torch.randint(0, n_pools + 1, (num_req, 1), generator=gen)
     few = max(1, num_req // 8)  # rows seeing at most select_k pools
     pool_lens[:few] = torch.randint(0, select_k + 1, (few, 1), generator=gen)
@@ -193,23 +208,10 @@ def check_selection(case, device, gen, page=64):
     exact ties across leaves and pages). Returns ``(differing values, compared, filtered)``."""
     import kpool
     from kpool import reference
-    from kpool.layout import write_entries
 
     b, n, pools, k = case["requests"], case["next_n"], case["pools"], case["select_k"]
     fp8_dtype, layout = case["fp8_dtype"], case["layout"]
-    pages_per = -(-pools // page)
-    num_pages = b * pages_per + 1
-    kv = torch.randint(0, 256, (num_pages, page, 132), dtype=torch.uint8, generator=gen)
-    slots = num_pages * page
-    codes = _finite_codes((slots, 128), fp8_dtype, gen)
-    scales = torch.exp2(torch.randint(-14, -4, (slots,), generator=gen).float())
-    scales[::7] *= 1.375
-    if case["dup_every"]:
-        src = torch.randint(0, slots, (slots,), generator=gen)
-        dup = torch.arange(slots) % case["dup_every"] == 0
-        codes[dup], scales[dup] = codes[src[dup]], scales[src[dup]]
-    write_entries(kv, torch.arange(slots), codes, scales, layout)
-    page_table = torch.randperm(num_pages, generator=gen)[: b * pages_per].view(b, pages_per)
+    kv, page_table = _random_paged_cache(b, pools, fp8_dtype, layout, gen, page, case["dup_every"])
     last = torch.randint(0, pools + 1, (b, 1), generator=gen)
     last[: max(1, b // 8)] = torch.randint(0, min(k, pools) + 1, (max(1, b // 8), 1), generator=gen)
     steps = torch.randint(0, 2, (b, n), generator=gen)  # row j sees the pools of rows > j less their steps
