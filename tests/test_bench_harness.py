@@ -139,13 +139,14 @@ def test_readme_table_render_and_rewrite(tmp_path):
         rt.main([str(json_path), "--write", str(readme)])
 
 
-def test_decode_movement_writes_exactly_the_stash(backend):
+def test_decode_movement_writes_exactly_the_stash(backend, device):
     """``bench_decode.movement`` (the decode table's data-movement reference point) stores
     each token's key and gate rows at ring slot ``pos % RING`` of block ``ts // RING`` and
-    nothing else; padding tokens (negative position or tail slot) write nothing."""
+    nothing else; padding tokens (negative position or tail slot) write nothing. On the
+    test device: the Triton backend needs the GPU, or CPU tensors under the interpreter."""
     import torch
     bd, h = _load("bench_decode"), bench.harness()
-    ctx = h.Ctx("dry", "cpu")
+    ctx = h.Ctx("dry", device)
     for p, b, nn, ring in ((4, 5, 3, 4), (16, 3, 4, 16), (4, 3, 5, 8)):
         kv, tail, ts, key, gate, ape, loc, pos = bd.make_inputs(ctx, b, nn, p, ring, 0)
         pos[0, -1] = -1
