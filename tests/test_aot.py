@@ -155,6 +155,39 @@ def test_failure_names_kernel_and_target(tmp_path, monkeypatch):
     assert "  sm_90: _native_fp8_kernel (e4m3fn)" in table, table
 
 
+COPY_FAKE = """
+import triton
+import triton.language as tl
+
+from kpool.aot import KernelSpec, axis
+
+
+@triton.jit
+def _copy_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(y_ptr + i, tl.load(x_ptr + i, mask=i < n), mask=i < n)
+
+
+AOT_SPECS = {"_copy_kernel": KernelSpec(ptrs=dict(x_ptr="fp32", y_ptr="fp32"), cross=(axis("BLOCK", (64, 128)),))}
+"""
+
+
+def test_each_worker_compiles_one_target(tmp_path, monkeypatch):
+    """A worker process compiles the jobs of one target only (Triton keeps per-process backend
+    state across targets: triton 3.6 failed an e4m3fnuz kernel for gfx942 compiled after a
+    gfx950 job in the same process); with fewer workers than targets, the matrix starts more
+    until every job is compiled."""
+    mod = _fake_module(tmp_path, monkeypatch, "kpool_aot_workers", COPY_FAKE)
+    targets = ["sm_90", "gfx942", "gfx950"]
+    results = aot.compile_matrix(targets, progress=False, jobs=2, modules=[mod.__name__])
+    assert all(r.ok for r in results) and sorted({r.target for r in results}) == sorted(targets), \
+        [r.describe() for r in results]
+    per_worker = {}
+    for r in results:
+        per_worker.setdefault(r.worker, set()).add(r.target)
+    assert len(per_worker) >= len(targets) and all(len(t) == 1 for t in per_worker.values()), per_worker
+
+
 def test_fp8_types_only_with_native_flag(tmp_path, monkeypatch):
     """fp8 types in the TTIR exactly when NATIVE_FP8 is set: a kernel converting natively while
     NATIVE_FP8 is False fails (it would rely on a conversion sm_80 lacks), and so does one

@@ -53,8 +53,8 @@ One more cycled axis, ``_hints``, gives the alignment facts the JIT may know: ``
 (every pointer and int divisible by 16, and on hip every pointer within 2 GB: buffer ops)
 or ``none``; every kernel meets both on every target.
 
-Compilation runs in worker processes with ``TRITON_INTERPRET`` off, a fresh
-``TRITON_CACHE_DIR`` (real compiles, nothing reused) and
+Compilation runs in worker processes, each compiling the jobs of one target, with
+``TRITON_INTERPRET`` off, a fresh ``TRITON_CACHE_DIR`` (real compiles, nothing reused) and
 ``TRITON_ALLOW_NON_CONSTEXPR_GLOBALS`` removed, so the calling process may itself run
 under the interpreter. ``compile_matrix()`` returns one ``AotResult`` per job;
 ``python -m kpool.aot`` prints the table and exits non-zero when a job fails.
@@ -550,6 +550,7 @@ class AotResult:
     shared: int | None = None  # shared memory / LDS bytes per program
     native_fp8: bool | None = None  # fp8 element types in the TTIR (a native fp8 conversion or load)
     error: str = ""
+    worker: int = 0  # pid of the process that compiled the job
 
     def describe(self):
         head = f"{self.kernel} for {self.target} [{self.label}]"
@@ -757,7 +758,7 @@ def compile_source(job: AotJob, fn=None):
 def compile_job(job: AotJob, fn=None) -> AotResult:
     """Compile one job in this process (which must not be interpreting)."""
     t0, c0 = time.perf_counter(), _cpu_time()
-    res = AotResult(job.kernel, job.target, job.label, ok=False)
+    res = AotResult(job.kernel, job.target, job.label, ok=False, worker=os.getpid())
     try:
         backend, _, _, smem = TARGETS[job.target]
         compiled = compile_source(job, fn)
@@ -805,18 +806,25 @@ def _error_text(e, limit=4000):
 
 
 def _worker(args):
-    """``--worker``: claim jobs one by one (exclusive files in ``--claims``) and print results."""
+    """``--worker``: claim jobs one by one (exclusive files in ``--claims``) and print results;
+    only jobs of the first claimed job's target, then exit (the parent starts another worker
+    while jobs are left). One target per process: Triton keeps per-process backend state that
+    one target's compile can leave wrong for another's (triton 3.6: an fp8 kernel for gfx942
+    after a gfx950 job fails an assertion in its e4m3fnuz lowering)."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("kpool.aot worker needs TRITON_INTERPRET unset or 0")
     jobs = build_jobs(args.targets, args.tier, args.kernels, args.modules)
     if _jobs_digest(jobs) != args.digest:
         raise SystemExit("kpool.aot worker: job list differs from the parent's")
-    out = sys.stdout
+    out, target = sys.stdout, None
     for i, job in enumerate(jobs):
+        if target not in (None, job.target):
+            continue
         try:
             os.close(os.open(os.path.join(args.claims, str(i)), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             continue
+        target = job.target
         out.write(_MARK + json.dumps({"start": i}) + "\n")
         out.flush()
         res = compile_job(job)
