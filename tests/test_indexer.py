@@ -10,6 +10,9 @@
   free and reuse of a request id, on a random pool size, head count, speculation depth,
   ``index_topk``, output width and scoring budget; every ``topk_indices`` call checked as
   above, on both backends.
+* The SPEC-only oracle (``spec_oracle.py``, no kpool code): every such call's pooled
+  entries and rows are also checked by its rules (exact fp64 pooling up to bf16 midpoints,
+  fp64 logits within the fp32 rounding, identical entries by id).
 * Row structure at every position class (p mod P): no index above the row's position, the
   tail ``[(p+1)//P*P, p]`` in its columns, whole pools only, all visible pools in order when
   there are at most ``select_k``.
@@ -41,6 +44,7 @@ from kpool.cache import (DEFAULT_LOGITS_BUDGET_MB, SCRATCH_BYTES_PER_POOL, TORCH
                          _plan_chunks, logits_budget_bytes, score_and_select, scratch_bytes_per_pool)
 from kpool.indexer import KPoolIndexer
 
+import spec_oracle
 from _util import random_bytes_like
 
 D = 128
@@ -179,6 +183,10 @@ def check_against_serving(run, rids, out, q, w, index_topk, width=None):
         assert torch.equal(got, idx), f"request {r}: rows differ from the serving reference"
         check_row_structure(got, pos, run.P, select_k, width)
         check_selection_property(ids, logits, (pos + 1) // run.P)
+        codes, scales = run.cache.pooled_keys(r)
+        spec_oracle.check_pooled_keys(codes, scales, run.keys[r], run.gates[r], run.ape, run.P, run.fp8)
+        spec_oracle.check_rows(got, pos, q[row:row + pos.numel()], w[row:row + pos.numel()], codes, scales, run.P,
+                               select_k, run.fp8)
 
 
 # --------------------------------------------------------------------------------------------
