@@ -8,8 +8,9 @@
   those roundings (at most ``MAX_AMBIGUOUS_DIMS`` such dims per pool).
 * Queries: FWHT-128 butterflies in fp32 (strides 1..64, scale once), bf16, ue8m0 scale from the
   exponent (exact, ``torch.frexp``), fp8 by torch's round-to-nearest-even cast.
-* Selection (SPEC §5) by rules on fp64 logits: whole pools, causality, tail, every visible pool
-  in order when there are at most ``select_k``; else no left-out pool scores above a chosen
+* Selection (SPEC §5) by rules on fp64 logits: the rows' structure (``check_row_structure``:
+  whole pools, causality, tail, every visible pool in order when there are at most
+  ``select_k``); else no left-out pool scores above a chosen
   one and the chosen are in non-increasing order, both within the fp32 logit's rounding
   (``LOGIT_REL`` of the heads' absolute sum); pools with identical entries (hence identical
   logits on any backend) must be ordered by id, inside the selection and across its edge.
@@ -55,11 +56,16 @@ def ue8m0_quant(y: torch.Tensor, fp8: torch.dtype) -> tuple[torch.Tensor, torch.
     return q, scale
 
 
+def rotate_quant(x: torch.Tensor, fp8: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``bf16(FWHT128(x) * 128^-0.5)`` of fp32 ``x [..., 128]``, quantized (``ue8m0_quant``)."""
+    return ue8m0_quant(_bf16(fwht(x) * HADAMARD_SCALE), fp8)
+
+
 def query_codes(q: torch.Tensor, weights: torch.Tensor, fp8: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """bf16 ``q [T, H, 128]``, fp32 ``weights [T, H]`` -> (fp8 values fp64 ``[T, H, 128]``,
     folded head weights fp64 ``[T, H]``: ``w * q_scale * 128^-0.5 * H^-0.5`` in fp32)."""
     heads = q.shape[1]
-    codes, scale = ue8m0_quant(_bf16(fwht(q.float()) * HADAMARD_SCALE), fp8)
+    codes, scale = rotate_quant(q.float(), fp8)
     w = weights.float() * scale * torch.tensor(D**-0.5 * heads**-0.5, dtype=torch.float32)
     return codes, w.double()
 
@@ -74,10 +80,6 @@ def _softmax_pool(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor):
     return terms.sum(1) / total, terms.abs().sum(1) / total
 
 
-def _entry(x_bf16: torch.Tensor, fp8: torch.dtype):
-    return ue8m0_quant(_bf16(fwht(x_bf16) * HADAMARD_SCALE), fp8)
-
-
 def check_pooled_keys(codes: torch.Tensor, scales: torch.Tensor, keys: torch.Tensor, gates: torch.Tensor,
                       ape: torch.Tensor, pool_size: int, fp8: torch.dtype) -> int:
     """A request's stored entries (``KPoolCache.pooled_keys``: uint8 ``[n, 128]``, fp32 ``[n]``)
@@ -90,7 +92,7 @@ def check_pooled_keys(codes: torch.Tensor, scales: torch.Tensor, keys: torch.Ten
     x, mag = _softmax_pool(keys[: n * pool_size].cpu().view(n, pool_size, D),
                            gates[: n * pool_size].cpu().view(n, pool_size, D), ape.cpu())
     xb = _bf16(x.float())
-    want_q, want_s = _entry(xb, fp8)
+    want_q, want_s = rotate_quant(xb, fp8)
     ambiguous = 0
     for j in torch.nonzero((got_q != want_q).any(1) | (got_s != want_s)).flatten().tolist():
         exact = x[j]
@@ -106,7 +108,7 @@ def check_pooled_keys(codes: torch.Tensor, scales: torch.Tensor, keys: torch.Ten
                     away = bool((exact[d].abs() > xb[j, d].abs()))
                     bits = xb[j, d].to(torch.bfloat16).view(torch.int16) + (1 if away else -1)
                     alt[d] = bits.view(torch.bfloat16).float()
-            q, s = _entry(alt[None], fp8)
+            q, s = rotate_quant(alt[None], fp8)
             matched |= bool(torch.equal(q[0], got_q[j]) and torch.equal(s, got_s[j:j + 1]))
         assert matched, f"pool {j}: entry matches neither rounding of its midpoint dims {dims}"
         ambiguous += 1
@@ -124,18 +126,18 @@ def pool_scores(q: torch.Tensor, weights: torch.Tensor, codes: torch.Tensor, sca
     return terms.sum(1), terms.abs().sum(1)
 
 
-def check_rows(rows: torch.Tensor, positions: torch.Tensor, q: torch.Tensor, weights: torch.Tensor,
-               codes: torch.Tensor, scales: torch.Tensor, pool_size: int, select_k: int, fp8: torch.dtype) -> None:
-    """One request's ``topk_indices`` rows (int32 ``[S, width]``) at ``positions [S]``, from its
-    queries (bf16 ``[S, H, 128]``, fp32 ``[S, H]``) and its stored entries, by SPEC §5's rules."""
-    rows, positions = rows.cpu(), positions.cpu()
-    scores, magnitudes = pool_scores(q, weights, codes, scales, fp8)
-    entry = torch.cat((codes.cpu(), scales.cpu().view(torch.uint8).reshape(-1, 4)), 1)
-    for r, p in enumerate(positions.tolist()):
-        row = rows[r].tolist()
+def check_row_structure(rows: torch.Tensor, positions: torch.Tensor, pool_size: int, select_k: int,
+                        width: int | None = None) -> list:
+    """Structure of ``topk_indices`` rows (int32 ``[S, width]``) at ``positions [S]``: no index
+    above the position, ``min(select_k, visible)`` whole, distinct, visible pools (every visible
+    pool in order when there are at most ``select_k``) then ``P`` x -1 groups, the tail
+    ``[(p+1)//P*P, p]``, -1 padding to ``width``. Returns each row's picked pool ids."""
+    natural = select_k * pool_size + pool_size - 1
+    out = []
+    for row, p in zip(rows.cpu().tolist(), positions.cpu().tolist()):
+        assert width is None or len(row) == width, f"pos {p}: {len(row)} columns, {width} expected"
         vis = (p + 1) // pool_size
-        assert vis <= codes.shape[0], f"pos {p}: {vis} pools visible, {codes.shape[0]} stored"
-        assert all(t <= p for t in row), f"pos {p}: an index above the position"
+        assert all(t <= p for t in row), f"pos {p}: index above the position: {max(row)}"
         picks = []
         for c in range(select_k):
             grp = row[c * pool_size:(c + 1) * pool_size]
@@ -143,14 +145,30 @@ def check_rows(rows: torch.Tensor, positions: torch.Tensor, q: torch.Tensor, wei
                 assert grp == [-1] * pool_size, f"pos {p}: column group {c} should be padding: {grp}"
                 continue
             j = grp[0] // pool_size
-            assert grp == [j * pool_size + o for o in range(pool_size)] and 0 <= j < vis, f"pos {p}: group {grp}"
+            assert grp == [j * pool_size + o for o in range(pool_size)], f"pos {p}: not a whole pool: {grp}"
+            assert 0 <= j < vis, f"pos {p}: pool {j} not visible ({vis} visible)"
             picks.append(j)
-        tail = list(range(vis * pool_size, p + 1))
-        rest = row[select_k * pool_size:]
-        assert rest == tail + [-1] * (len(rest) - len(tail)), f"pos {p}: tail / padding {rest[:pool_size]}"
         assert len(set(picks)) == len(picks), f"pos {p}: a pool picked twice"
         if vis <= select_k:
             assert picks == list(range(vis)), f"pos {p}: every visible pool in order expected, got {picks}"
+        tail = list(range(vis * pool_size, p + 1))
+        assert row[select_k * pool_size:natural] == tail + [-1] * (pool_size - 1 - len(tail)), f"pos {p}: tail"
+        assert row[natural:] == [-1] * (len(row) - natural), f"pos {p}: padding after the tail"
+        out.append(picks)
+    return out
+
+
+def check_rows(rows: torch.Tensor, positions: torch.Tensor, q: torch.Tensor, weights: torch.Tensor,
+               codes: torch.Tensor, scales: torch.Tensor, pool_size: int, select_k: int, fp8: torch.dtype) -> None:
+    """One request's ``topk_indices`` rows (int32 ``[S, width]``) at ``positions [S]``, from its
+    queries (bf16 ``[S, H, 128]``, fp32 ``[S, H]``) and its stored entries, by SPEC §5's rules."""
+    picks_per_row = check_row_structure(rows, positions, pool_size, select_k)
+    scores, magnitudes = pool_scores(q, weights, codes, scales, fp8)
+    entry = torch.cat((codes.cpu(), scales.cpu().view(torch.uint8).reshape(-1, 4)), 1)
+    for r, (p, picks) in enumerate(zip(positions.tolist(), picks_per_row)):
+        vis = (p + 1) // pool_size
+        assert vis <= codes.shape[0], f"pos {p}: {vis} pools visible, {codes.shape[0]} stored"
+        if vis <= select_k:
             continue
         score = scores[r, :vis]
         tol = LOGIT_REL * float(magnitudes[r, :vis].max())

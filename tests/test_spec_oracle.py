@@ -75,13 +75,13 @@ def test_midpoint_dims_accept_either_rounding_and_nothing_else(fp8):
     x, _ = spec_oracle._softmax_pool(keys[None], gates[None], ape)
     assert float(x[0, 0]) == 1.0 + 2**-8
     xb = spec_oracle._bf16(x.float())
-    codes, scale = spec_oracle._entry(xb, fp8)
+    codes, scale = spec_oracle.rotate_quant(xb, fp8)
     as_stored = lambda q: q.to(fp8).view(torch.uint8)  # noqa: E731
     assert spec_oracle.check_pooled_keys(as_stored(codes), scale, keys, gates, ape, 4, fp8) == 0
     for dim, ok in ((0, True), (1, False)):
         alt = xb.clone()
         alt[0, dim] = (alt[0, dim].to(torch.bfloat16).view(torch.int16) + 1).view(torch.bfloat16).float()
-        alt_codes, alt_scale = spec_oracle._entry(alt, fp8)
+        alt_codes, alt_scale = spec_oracle.rotate_quant(alt, fp8)
         if ok:
             assert spec_oracle.check_pooled_keys(as_stored(alt_codes), alt_scale, keys, gates, ape, 4, fp8) == 1
         else:
