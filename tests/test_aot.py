@@ -242,10 +242,13 @@ def test_launch_options_the_launchers_use():
             for c in (j.constexprs for j in jobs if j.kernel == "_paged_topk_kernel")}
     assert (True, False, True) in filt and (False, False, True) in filt
     assert not any(f and (final or not keeps_all) for f, final, keeps_all in filt)
-    # the scorer's register caps, per (FILTER, ROWS, H), as launch_options sets them on CUDA
+    # the scorer's register caps, per (FILTER, ROWS, H), as launch_options sets them on CUDA:
+    # capped, and the exact leaves also uncapped (a small grid's, score.small_grid)
     caps = {(c["FILTER"], c["ROWS"], c["H"], j.options.get("maxnreg"))
             for j, c in ((j, j.constexprs) for j in jobs if j.kernel == "_paged_topk_kernel")}
-    assert caps and all(cap == score.max_regs(f, rows, h) for f, rows, h, cap in caps)
+    assert caps and all(cap in {score.max_regs(f, rows, h), score.max_regs(f, rows, h, small=not f)}
+                        for f, rows, h, cap in caps)
+    assert {cap for f, _, _, cap in caps if not f} == {score.MAX_REGS, None}
     # and its pipeline stages, per FILTER, as the launcher passes them
     stages = {(j.constexprs["FILTER"], j.constexprs["STAGES"]) for j in jobs if j.kernel == "_paged_topk_kernel"}
     assert stages == {(f, score.pipeline_stages(f)) for f in (False, True)}
@@ -272,6 +275,25 @@ def test_register_caps_apply_to_cuda_only(monkeypatch):
             m.setenv(_backend.REGISTER_CAP_ENV, "0")
             assert "maxnreg" not in score.launch_options("cpu", True)
             assert "maxnreg" not in prefill.launch_options("cpu", 16)
+
+
+def test_small_leaf_grids_run_uncapped(monkeypatch):
+    """``score.launch_options`` on CUDA: a leaf grid of at most ``UNCAPPED_PER_SM`` programs per
+    SM compiles without a register cap, a larger one with the usual cap (exact or filtering
+    leaves); a launch that gives no grid size (refine) keeps ``MAX_REGS``; no SM count (off
+    the GPU): never uncapped."""
+    from kpool import _backend
+    from kpool.ops import score, topk
+    monkeypatch.setattr(_backend, "device_target", lambda device: ("cuda", 90))
+    monkeypatch.setattr(topk, "_sm_count", lambda device: 132)
+    small = score.UNCAPPED_PER_SM * 132
+    assert "maxnreg" not in score.launch_options("cpu", programs=small)
+    assert "maxnreg" not in score.launch_options("cpu", True, programs=1)
+    assert score.launch_options("cpu", programs=small + 1)["maxnreg"] == score.MAX_REGS
+    assert score.launch_options("cpu", True, programs=small + 1)["maxnreg"] == score.FILTER_MAX_REGS
+    assert score.launch_options("cpu")["maxnreg"] == score.MAX_REGS
+    monkeypatch.setattr(topk, "_sm_count", lambda device: 0)
+    assert score.launch_options("cpu", programs=1)["maxnreg"] == score.MAX_REGS
 
 
 def test_pdl_launch_on_cuda_sm90_and_later_only(monkeypatch):

@@ -56,7 +56,10 @@ from .logits import (MIN_FILTER_ERROR, approx_block_logits, bound_keys, check_pa
 
 BLOCK_POOLS = 64  # pools per scoring tile: the MMA's M (one wgmma warpgroup on Hopper)
 NUM_WARPS = 4
-MAX_REGS = 168  # CUDA register cap: 3 programs per SM instead of 2 (H200: 32 x 128K -10%, 128 x 1M -11%)
+MAX_REGS = 168  # CUDA register cap: 3 programs per SM instead of 2 (H200: 32 x 128K -10%, 128 x 1M -11%) ...
+UNCAPPED_PER_SM = 2  # ... but a leaf grid of at most this many programs per SM (small_grid) runs uncapped: what an
+#                      SM holds at 4 warps of 255 registers (H200, 1 x 128K, 256 exact leaves: 16.8 -> 16.3 us; at
+#                      168 the leaf loop spills)
 PIPELINE_STAGES = 2  # tiles in flight in the exact leaf loop (tl.range's software pipelining) ...
 FILTER_PIPELINE_STAGES = 3  # ... and in the filtering one (pipeline_stages; H200, 27fde99 + cap 96: 32 x 128K 117.3 ->
 #                             110.6 us, 128 x 1M 2.46 -> 2.39 ms at 3; 3 for the exact leaves: 1 x 128K 19.4 -> 19.9 us)
@@ -289,18 +292,29 @@ def pipeline_stages(filtered: bool = False) -> int:
     return FILTER_PIPELINE_STAGES if filtered else PIPELINE_STAGES
 
 
-def max_regs(filtered: bool = False, rows: int = 1, heads: int = 32) -> int:
-    """CUDA register cap of a scoring launch: ``FILTER_MAX_REGS`` (``FILTER_MAX_REGS_H64`` at
-    64 heads) for one-row filtering leaves, else ``MAX_REGS``."""
+def max_regs(filtered: bool = False, rows: int = 1, heads: int = 32, small: bool = False) -> int | None:
+    """CUDA register cap of a scoring launch: none for a ``small`` grid (``small_grid``: the
+    cap buys programs per SM that such a grid does not use, and costs spills),
+    ``FILTER_MAX_REGS`` (``FILTER_MAX_REGS_H64`` at 64 heads) for one-row filtering leaves,
+    else ``MAX_REGS``."""
+    if small:
+        return None
     if filtered and rows == 1:
         return FILTER_MAX_REGS_H64 if heads > 32 else FILTER_MAX_REGS
     return MAX_REGS
 
 
-def launch_options(device, filtered: bool = False, rows: int = 1, heads: int = 32) -> dict:
-    """Compile options of the scoring kernels: the register cap (``max_regs``) applies to CUDA targets only."""
+def small_grid(programs: int, device) -> bool:
+    """Whether a grid of ``programs`` fits ``UNCAPPED_PER_SM`` per SM of the GPU (False off the GPU)."""
+    return programs <= UNCAPPED_PER_SM * topk._sm_count(device)
+
+
+def launch_options(device, filtered: bool = False, rows: int = 1, heads: int = 32, programs: int | None = None) -> dict:
+    """Compile options of the scoring kernels: the register cap (``max_regs``; ``programs``:
+    the grid's size when a small one may run uncapped) applies to CUDA targets only."""
+    small = programs is not None and small_grid(programs, device)
     return dict(num_warps=NUM_WARPS, enable_fp_fusion=False,
-                **register_cap(device, max_regs(filtered, rows, heads)))
+                **register_cap(device, max_regs(filtered, rows, heads, small)))
 
 
 def _check_expand(expand, rows: int, select_k: int, device):
@@ -358,7 +372,8 @@ def paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, *
     rows_per_prog = query_rows(next_n)
 
     def launch_leaves(cand, count, chunk, n_chunks, kb, final, filtered):
-        _paged_topk_kernel[(batch * triton.cdiv(next_n, rows_per_prog), n_chunks)](
+        groups = batch * triton.cdiv(next_n, rows_per_prog)
+        _paged_topk_kernel[(groups, n_chunks)](
             q8, q8.stride(0), q8.stride(1), q8.stride(2), weights, weights.stride(0), weights.stride(1),
             weights.stride(2), lens, lens.stride(0), page_table, page_table.stride(0), page_table.stride(1),
             kv_cache, kv_cache.view(torch.float32), kv_cache.stride(0), kv_cache.shape[0],
@@ -367,7 +382,7 @@ def paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, *
             PRESHUFFLE=layout == "preshuffle", FINAL=final, **decode_args(fp8_dtype, device),
             FILTER=filtered, FP8_MAX=fp8_max(fp8_dtype), ERROR=FILTER_ERROR, SHAKE=FILTER_SHAKE,
             STAGES=pipeline_stages(filtered), **topk.expansion_args(expand, select_k, lens),
-            **launch_options(device, filtered, rows_per_prog, heads), **pdl_launch(device),
+            **launch_options(device, filtered, rows_per_prog, heads, groups * n_chunks), **pdl_launch(device),
         )
 
     def refine(surv, count):
