@@ -464,14 +464,14 @@ def _survivors_kernel(cand_ptr, n_lists, lens_ptr, lens_stride, n_cols, surv_ptr
                                      (lst < n_lists)[:, None], CHUNK), (LG * CHUNK,))
         lo = tl.load(bound_ptr + row)
         surv_row = surv_ptr + row * n_lists * CHUNK
+    else:  # the KW keys after each list's heads, loaded with the row's length (not after the bound)
+        key = tl.reshape(tl.load(base + lst[:, None] * (HEAD + KW) + HEAD + tl.arange(0, KW)[None, :],
+                                 mask=(lst < n_lists)[:, None], other=NO_KEY), (LG * KW,))
+        surv_row = surv_ptr + row * n_lists * KW
     n_vis = visible_pools(lens_ptr, row * lens_stride, n_cols)
     if n_vis > select_k:
         if not FILTER:
             lo = _row_bound(base, n_vis, select_k, CHUNK, KW, LB, FILTER)
-            key = tl.load(base + lst[:, None] * (HEAD + KW) + HEAD + tl.arange(0, KW)[None, :],
-                          mask=(lst < n_lists)[:, None], other=NO_KEY)
-            key = tl.reshape(key, (LG * KW,))
-            surv_row = surv_ptr + row * n_lists * KW
         keep = (key >= lo) & (key != NO_KEY)
         # relaxed: the offsets only need to be distinct; the next launch sees every write
         at = tl.atomic_add(count_ptr + row, tl.sum(keep.to(tl.int32)), sem="relaxed")
