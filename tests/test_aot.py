@@ -243,11 +243,10 @@ def test_launch_options_the_launchers_use():
     assert (True, False, True) in filt and (False, False, True) in filt
     assert not any(f and (final or not keeps_all) for f, final, keeps_all in filt)
     # the scorer's register caps, per (FILTER, ROWS, H), as launch_options sets them on CUDA:
-    # capped, and the exact leaves also uncapped (a small grid's, score.small_grid)
+    # capped, and also uncapped (a small grid's, score.small_grid)
     caps = {(c["FILTER"], c["ROWS"], c["H"], j.options.get("maxnreg"))
             for j, c in ((j, j.constexprs) for j in jobs if j.kernel == "_paged_topk_kernel")}
-    assert caps and all(cap in {score.max_regs(f, rows, h), score.max_regs(f, rows, h, small=not f)}
-                        for f, rows, h, cap in caps)
+    assert caps and all(cap in {score.max_regs(f, rows, h), None} for f, rows, h, cap in caps)
     assert {cap for f, _, _, cap in caps if not f} == {score.MAX_REGS, None}
     # and its pipeline stages, per FILTER, as the launcher passes them
     stages = {(j.constexprs["FILTER"], j.constexprs["STAGES"]) for j in jobs if j.kernel == "_paged_topk_kernel"}
@@ -278,19 +277,28 @@ def test_register_caps_apply_to_cuda_only(monkeypatch):
 
 
 def test_small_leaf_grids_run_uncapped(monkeypatch):
-    """``score.launch_options`` on CUDA: a leaf grid of at most ``UNCAPPED_PER_SM`` programs per
-    SM compiles without a register cap, a larger one with the usual cap (exact or filtering
-    leaves); a launch that gives no grid size (refine) keeps ``MAX_REGS``; no SM count (off
-    the GPU): never uncapped."""
+    """``score.launch_options`` on CUDA: a leaf grid that takes no more waves uncapped
+    (``UNCAPPED_PER_SM`` programs per SM, ``FILTER_UNCAPPED_PER_SM`` for one-row filtering
+    leaves of at most 32 heads) than at its cap compiles without one, a larger one with the usual cap (exact or
+    filtering leaves); a launch that gives no grid size (refine) keeps ``MAX_REGS``; no SM count
+    (off the GPU): never uncapped."""
     from kpool import _backend
     from kpool.ops import score, topk
     monkeypatch.setattr(_backend, "device_target", lambda device: ("cuda", 90))
     monkeypatch.setattr(topk, "_sm_count", lambda device: 132)
-    small = score.UNCAPPED_PER_SM * 132
-    assert "maxnreg" not in score.launch_options("cpu", programs=small)
-    assert "maxnreg" not in score.launch_options("cpu", True, programs=1)
-    assert score.launch_options("cpu", programs=small + 1)["maxnreg"] == score.MAX_REGS
-    assert score.launch_options("cpu", True, programs=small + 1)["maxnreg"] == score.FILTER_MAX_REGS
+    assert score.REGISTERS_PER_SM // (score.MAX_REGS * 32 * score.NUM_WARPS) == 3  # 3 exact leaves per SM capped
+    assert score.REGISTERS_PER_SM // (score.FILTER_MAX_REGS * 32 * score.NUM_WARPS) == 6  # 6 filtering ones
+    exact = score.UNCAPPED_PER_SM * 132 * 2  # two waves uncapped, two at the cap (3 per SM)
+    for programs in (1, score.UNCAPPED_PER_SM * 132, exact):
+        assert "maxnreg" not in score.launch_options("cpu", programs=programs)
+    assert score.launch_options("cpu", programs=exact + 1)["maxnreg"] == score.MAX_REGS  # three waves vs two
+    assert score.launch_options("cpu", rows=2, programs=exact + 1)["maxnreg"] == score.MAX_REGS
+    one = score.FILTER_UNCAPPED_PER_SM * 132  # one wave either way
+    assert "maxnreg" not in score.launch_options("cpu", True, programs=one)
+    assert score.launch_options("cpu", True, programs=one + 1)["maxnreg"] == score.FILTER_MAX_REGS
+    assert "maxnreg" not in score.launch_options("cpu", True, heads=64, programs=score.UNCAPPED_PER_SM * 132)
+    assert score.launch_options("cpu", True, heads=64, programs=one)["maxnreg"] == score.FILTER_MAX_REGS_H64
+    assert score.launch_options("cpu", True, rows=2, programs=exact + 1)["maxnreg"] == score.MAX_REGS
     assert score.launch_options("cpu")["maxnreg"] == score.MAX_REGS
     monkeypatch.setattr(topk, "_sm_count", lambda device: 0)
     assert score.launch_options("cpu", programs=1)["maxnreg"] == score.MAX_REGS

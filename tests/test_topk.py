@@ -60,13 +60,15 @@ def test_threshold_selection(backend, device, select_k, block, bits, limit, monk
     compares (up to ``limit`` survivors per row; ``None``: the default ``RANK_COMPARES``, 0:
     none) and the others by radix passes of ``bits`` bits (64 not a multiple of 3: a last digit of fewer
     bits), in one launch when ``limit`` is 300 (the tied rows keep every key); one or many
-    blocks of ``block`` keys per step, ranking slices past the survivors, and the whole
-    64-bit key range (NaN, -inf and +inf next to tiny scores)."""
+    blocks of ``block`` keys per step, ranking slices past the survivors (compared with blocks of
+    64 keys, or of ``rank_block``'s wide 256), and the whole 64-bit key range (NaN, -inf and
+    +inf next to tiny scores)."""
     monkeypatch.setattr(topk, "MIN_CHUNK", 32)
     monkeypatch.setattr(topk, "SELECT_BLOCK", block)
     monkeypatch.setattr(topk, "RADIX_BITS", bits)
     monkeypatch.setattr(topk, "SURVIVOR_KEYS", block)
     monkeypatch.setattr(topk, "RANK_BLOCK", min(block, topk.RANK_BLOCK))
+    monkeypatch.setattr(topk, "RANK_WIDE_PROGRAMS", 1 if block > topk.RANK_BLOCK else 1 << 30)
     if limit is not None:
         monkeypatch.setattr(topk, "RANK_COMPARES", 8 * limit * limit)  # 8 rows
     counts = []

@@ -377,8 +377,8 @@ def _topk_specs(m):
         "_threshold_select_kernel": KernelSpec(
             ptrs=dict(surv_ptr="i64", count_ptr="i32", lens_ptr="i32", out_ptr="i32", seq_ptr="i64"),
             cross=(_kb_axis(),), cycle=(int_ptr_axis("lens_ptr", "seq_ptr"), axis("lens_stride", (1, "i32")),
-                                        _expand_axis()),
-            fixed=dict(BLOCK=m.SELECT_BLOCK, BITS=m.RADIX_BITS, SLICE=m.RANK_SLICE, RANK_BLOCK=m.RANK_BLOCK),
+                                        _expand_axis(), axis("RANK_BLOCK", (m.rank_block(1), m.rank_block(1 << 30)))),
+            fixed=dict(BLOCK=m.SELECT_BLOCK, BITS=m.RADIX_BITS, SLICE=m.RANK_SLICE),
             options=dict(num_warps=m.SELECT_WARPS)),
     }
 
@@ -386,11 +386,10 @@ def _topk_specs(m):
 def _filter_derive(m, c):
     """NT, FILTER (only where ``score.filters`` can choose it: several leaves that keep all
     their keys), and the pipeline stages and register cap (``score.pipeline_stages``,
-    ``score.max_regs``; the exact leaves uncapped in ``_small`` cases, as a small grid's) that
-    launch gets."""
+    ``score.max_regs``; uncapped in ``_small`` cases, as a small grid's) that launch gets."""
     filt = c["_filter"] and not c["FINAL"] and c["_chunk"] <= 2 * c["KB"]
     return dict(NT=c["_chunk"] // m.BLOCK_POOLS, FILTER=filt, STAGES=m.pipeline_stages(filt),
-                _opt_maxnreg=m.max_regs(filt, c["ROWS"], c["H"], c["_small"] and not filt))
+                _opt_maxnreg=m.max_regs(filt, c["ROWS"], c["H"], c["_small"]))
 
 
 def _score_specs(m):
@@ -401,7 +400,7 @@ def _score_specs(m):
                   cand_ptr="i64", count_ptr="i32", out_ptr="i32", lut_ptr="i32", seq_ptr="i64"),
         cross=(layout_axis(), fp8_axis("FP8_MAX", "FNUZ"), axis("H", SUPPORTED_HEADS)),
         # _filter has period 3 against ROWS' 2: filtering leaves of one and of two rows; _small
-        # (an uncapped exact leaf) last, so that the greedy cover keeps the other axes' pairs
+        # (an uncapped leaf) last, so that the greedy cover keeps the other axes' pairs
         cycle=(_leaf_axis(m.BLOCK_POOLS, "_chunk"), flag("FINAL"), _PAGE, axis("next_n", (1, "i32")),
                axis("ROWS", (1, m.MAX_ROWS)), axis("_filter", (True, False, False)),
                int_ptr_axis("lens_ptr", "pt_ptr", "seq_ptr"), _expand_axis(), axis("_small", (False, False, True))),

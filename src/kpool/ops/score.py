@@ -57,9 +57,14 @@ from .logits import (MIN_FILTER_ERROR, approx_block_logits, bound_keys, check_pa
 BLOCK_POOLS = 64  # pools per scoring tile: the MMA's M (one wgmma warpgroup on Hopper)
 NUM_WARPS = 4
 MAX_REGS = 168  # CUDA register cap: 3 programs per SM instead of 2 (H200: 32 x 128K -10%, 128 x 1M -11%) ...
-UNCAPPED_PER_SM = 2  # ... but a leaf grid of at most this many programs per SM (small_grid) runs uncapped: what an
-#                      SM holds at 4 warps of 255 registers (H200, 1 x 128K, 256 exact leaves: 16.8 -> 16.3 us; at
-#                      168 the leaf loop spills)
+UNCAPPED_PER_SM = 2  # ... but a leaf grid that takes no more waves uncapped runs uncapped (small_grid): an SM holds
+#                      2 uncapped programs (4 warps of up to 255 registers; H200, 1 x 128K, 256 exact leaves: 16.8
+#                      -> 16.3 us, at 168 the leaf loop spills; 2 x 128K, 512 leaves in 2 waves either way: 25.6 ->
+#                      24.8 us) ...
+FILTER_UNCAPPED_PER_SM = 4  # ... or 4 uncapped one-row filtering leaves of H <= 32 (89 registers: sm_90 SASS; H200,
+#                             512 leaves in one wave either way: 4 / 8 x 128K 29.0 -> 27.8 / 37.4 -> 35.2 us,
+#                             32 x 32K 51.8 -> 50.6 us)
+REGISTERS_PER_SM = 65536  # 32-bit registers of an SM (every CUDA target kpool supports)
 PIPELINE_STAGES = 2  # tiles in flight in the exact leaf loop (tl.range's software pipelining) ...
 FILTER_PIPELINE_STAGES = 3  # ... and in the filtering one (pipeline_stages; H200, 27fde99 + cap 96: 32 x 128K 117.3 ->
 #                             110.6 us, 128 x 1M 2.46 -> 2.39 ms at 3; 3 for the exact leaves: 1 x 128K 19.4 -> 19.9 us)
@@ -126,6 +131,14 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
                        vis_limit)  # [ROWS], topk.visible_pools of each row
     n_max = tl.max(n_vis)
     if n_max > select_k:
+        # the leaf's page ids first: the loop's first entry loads wait on them, not on the query
+        # set-up (sm_90 SASS: the page-table load ~300 instructions before the first cp.async,
+        # was ~70; H200 32 x 128K 77.7 -> 77.2 us)
+        pt_row = pt_ptr + b * pt_sb
+        j0 = chunk * NT * BN  # first pool of the tile
+        j = j0 + tl.arange(0, BN)
+        n_leaf = tl.minimum(n_max, (chunk + 1) * NT * BN)  # the leaf's last pool any row sees + 1
+        pages = tile_pages(pt_row, pt_sp, j0, n_leaf, num_pages, NT, BN, PAGE)
         c = tl.arange(0, ROWS * H)  # (row, head) columns
         q_rows = q_ptr + b * q_sb + (t0 + c // H) * q_sn + (c % H) * q_sh
         q_live = t0 + c // H < next_n
@@ -141,11 +154,6 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
         else:
             keys = tl.full((NT, BN, ROWS), topk.NO_KEY, tl.int64)
             tiles = tl.arange(0, NT)
-        pt_row = pt_ptr + b * pt_sb
-        j0 = chunk * NT * BN  # first pool of the tile
-        j = j0 + tl.arange(0, BN)
-        n_leaf = tl.minimum(n_max, (chunk + 1) * NT * BN)  # the leaf's last pool any row sees + 1
-        pages = tile_pages(pt_row, pt_sp, j0, n_leaf, num_pages, NT, BN, PAGE)
         for i in tl.range(NT, num_stages=STAGES):
             # Triton's pipeliner loads later tiles' entries (cp.async into shared memory) while
             # this one is scored (with STAGES = 2, triton 3.6 issues the next tile at the end of
@@ -304,15 +312,23 @@ def max_regs(filtered: bool = False, rows: int = 1, heads: int = 32, small: bool
     return MAX_REGS
 
 
-def small_grid(programs: int, device) -> bool:
-    """Whether a grid of ``programs`` fits ``UNCAPPED_PER_SM`` per SM of the GPU (False off the GPU)."""
-    return programs <= UNCAPPED_PER_SM * topk._sm_count(device)
+def small_grid(programs: int, device, filtered: bool = False, rows: int = 1, heads: int = 32) -> bool:
+    """Whether a leaf grid of ``programs`` runs uncapped: when it takes no more waves uncapped
+    (``UNCAPPED_PER_SM`` programs per SM, ``FILTER_UNCAPPED_PER_SM`` for one-row filtering
+    leaves of at most 32 heads) than at its cap (``max_regs``: the programs an SM's registers hold), the cap buys
+    residency the grid does not use and costs spills or instructions. False off the GPU."""
+    sms = topk._sm_count(device)
+    if not sms:
+        return False
+    uncapped = FILTER_UNCAPPED_PER_SM if filtered and rows == 1 and heads <= 32 else UNCAPPED_PER_SM
+    capped = REGISTERS_PER_SM // (max_regs(filtered, rows, heads) * 32 * NUM_WARPS)
+    return triton.cdiv(programs, uncapped * sms) <= triton.cdiv(programs, capped * sms)
 
 
 def launch_options(device, filtered: bool = False, rows: int = 1, heads: int = 32, programs: int | None = None) -> dict:
     """Compile options of the scoring kernels: the register cap (``max_regs``; ``programs``:
     the grid's size when a small one may run uncapped) applies to CUDA targets only."""
-    small = programs is not None and small_grid(programs, device)
+    small = programs is not None and small_grid(programs, device, filtered, rows, heads)
     return dict(num_warps=NUM_WARPS, enable_fp_fusion=False,
                 **register_cap(device, max_regs(filtered, rows, heads, small)))
 

@@ -75,6 +75,9 @@ RANK_SLICE, RANK_BLOCK = 8, 128  # survivors a ranking program ranks, and compar
 #                                 128K: 256 -> 128 -2.5 us; 13th session, 1,000 survivors: -0.8 us) ...
 RANK_PROGRAMS_PER_SM = 2  # ... and its programs per SM (rank_programs): the blocks of 8 warps at 94 registers one SM
 #                            holds, so that a row's programs run in one wave
+RANK_WIDE_PROGRAMS = 128  # rows ranked by at least this many programs compare against blocks of 2 x RANK_BLOCK keys
+#                          (rank_block; H200, 1 x 128K, 264 programs: 15.97 -> 15.55 us; at 32 x 128K, 8 per
+#                          row, such blocks cost +1.3 us, and 512 / 1,024 keys lose at both)
 SURVIVOR_KEYS = 2048  # keys per program of the survivor filter
 UNION_RESIDENT_KEYS = 8192  # heads _union_bound_kernel keeps in registers for all its passes (union_block; H200,
 #                             ncu: 32 x 128K 12.4 -> 10.4 us, 128 x 1M 33.3 -> 23.6 vs streamed from memory)
@@ -745,6 +748,14 @@ def rank_programs(rows: int, limit: int, device) -> int:
     return min(slices, max(1, RANK_PROGRAMS_PER_SM * sms // rows) if sms else 2)
 
 
+def rank_block(programs: int) -> int:
+    """Keys a ranking program compares its slice with per step, for ``programs`` per row
+    (``rank_programs``): ``2 * RANK_BLOCK`` from ``RANK_WIDE_PROGRAMS`` on (each program ranks a
+    slice or two of the row, so its time is its chain of dependent block loads: fewer, larger
+    blocks), else ``RANK_BLOCK`` (many slices each: the compares dominate)."""
+    return 2 * RANK_BLOCK if programs >= RANK_WIDE_PROGRAMS else RANK_BLOCK
+
+
 def threshold_select(cand, count, chunk, lens, n_cols, select_k, out, refine=None, expand=None) -> None:
     """``cand``, ``count`` as in ``survivors`` (``n_lists >= 2``) -> each row's selection in
     ``out [rows, select_k]`` int32; ``refine``, ``expand``: see ``select_by_leaves``."""
@@ -753,9 +764,10 @@ def threshold_select(cand, count, chunk, lens, n_cols, select_k, out, refine=Non
         refine(surv, count)
     rows = out.shape[0]
     limit = rank_limit(rows)
-    _threshold_select_kernel[(rows, rank_programs(rows, limit, out.device))](
+    programs = rank_programs(rows, limit, out.device)
+    _threshold_select_kernel[(rows, programs)](
         surv, surv.shape[1], count, lens, lens.stride(0), n_cols, out, out.stride(0), select_k, limit,
-        KB=key_block(select_k), BLOCK=SELECT_BLOCK, BITS=RADIX_BITS, SLICE=RANK_SLICE, RANK_BLOCK=RANK_BLOCK,
+        KB=key_block(select_k), BLOCK=SELECT_BLOCK, BITS=RADIX_BITS, SLICE=RANK_SLICE, RANK_BLOCK=rank_block(programs),
         **expansion_args(expand, select_k, lens), num_warps=SELECT_WARPS, **pdl_launch(out.device),
     )
 
