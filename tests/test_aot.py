@@ -279,9 +279,9 @@ def test_register_caps_apply_to_cuda_only(monkeypatch):
 def test_small_leaf_grids_run_uncapped(monkeypatch):
     """``score.launch_options`` on CUDA: a leaf grid that takes no more waves uncapped
     (``UNCAPPED_PER_SM`` programs per SM, ``FILTER_UNCAPPED_PER_SM`` for one-row filtering
-    leaves of at most 32 heads) than at its cap compiles without one, a larger one with the usual cap (exact or
-    filtering leaves); a launch that gives no grid size (refine) keeps ``MAX_REGS``; no SM count
-    (off the GPU): never uncapped."""
+    leaves of at most 32 heads) than at its cap compiles without one, a larger one with the
+    usual cap (exact or filtering leaves, one or two rows, 64 heads); a launch that gives no
+    grid size (refine) keeps ``MAX_REGS``; no SM count (off the GPU): never uncapped."""
     from kpool import _backend
     from kpool.ops import score, topk
     monkeypatch.setattr(_backend, "device_target", lambda device: ("cuda", 90))

@@ -315,8 +315,9 @@ def max_regs(filtered: bool = False, rows: int = 1, heads: int = 32, small: bool
 def small_grid(programs: int, device, filtered: bool = False, rows: int = 1, heads: int = 32) -> bool:
     """Whether a leaf grid of ``programs`` runs uncapped: when it takes no more waves uncapped
     (``UNCAPPED_PER_SM`` programs per SM, ``FILTER_UNCAPPED_PER_SM`` for one-row filtering
-    leaves of at most 32 heads) than at its cap (``max_regs``: the programs an SM's registers hold), the cap buys
-    residency the grid does not use and costs spills or instructions. False off the GPU."""
+    leaves of at most 32 heads) than at its cap (``max_regs``: the programs an SM's registers
+    hold), the cap buys residency the grid does not use and costs spills or instructions.
+    False off the GPU."""
     sms = topk._sm_count(device)
     if not sms:
         return False

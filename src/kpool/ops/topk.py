@@ -76,8 +76,8 @@ RANK_SLICE, RANK_BLOCK = 8, 128  # survivors a ranking program ranks, and compar
 RANK_PROGRAMS_PER_SM = 2  # ... and its programs per SM (rank_programs): the blocks of 8 warps at 94 registers one SM
 #                            holds, so that a row's programs run in one wave
 RANK_WIDE_PROGRAMS = 128  # rows ranked by at least this many programs compare against blocks of 2 x RANK_BLOCK keys
-#                          (rank_block; H200, 1 x 128K, 264 programs: 15.97 -> 15.55 us; at 32 x 128K, 8 per
-#                          row, such blocks cost +1.3 us, and 512 / 1,024 keys lose at both)
+#                           (rank_block; H200, programs per row: 1 x 128K 264, 15.97 -> 15.55 us; 2 x 128K 132,
+#                           26.1 -> 25.5; 4 x 128K 66, +0.2; 32 x 128K 8, +1.3; blocks of 512 / 1,024 lose at both)
 SURVIVOR_KEYS = 2048  # keys per program of the survivor filter
 UNION_RESIDENT_KEYS = 8192  # heads _union_bound_kernel keeps in registers for all its passes (union_block; H200,
 #                             ncu: 32 x 128K 12.4 -> 10.4 us, 128 x 1M 33.3 -> 23.6 vs streamed from memory)
