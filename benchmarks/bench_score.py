@@ -7,7 +7,8 @@ Cases:
 
 * ``decode``: ``B`` requests, one query each at the last position of a ``ctx``-token
   context (``ctx / P`` visible pools on randomly permuted pages); a ``ctx=LO-HI`` case spreads
-  the requests' contexts evenly from ``LO`` to ``HI`` tokens (a serving batch of mixed lengths). ``ours`` is
+  the requests' contexts evenly from ``LO`` to ``HI`` tokens (a serving batch of mixed lengths); ``B=4``
+  at 128K is a small, latency-bound batch between the one-request target and 32 requests. ``ours`` is
   ``kpool.cache.score_and_select`` (query rotation + fp8, head-weight folding, the fused
   ``paged_pool_topk`` (scores and selects without a logits row in memory),
   ``expand_pools_and_append_tail``: the device part of ``KPoolCache.topk_indices`` for a
@@ -65,7 +66,8 @@ def cases(mode):
         rag = [(1024, 32768)]
         topk = 2048
     else:
-        dec = [(32, 131072, 1), (128, 1048576, 1), (1, 131072, 1), (32, (4096, 131072), 1), (32, 32768, 1)]
+        dec = [(32, 131072, 1), (128, 1048576, 1), (1, 131072, 1), (4, 131072, 1), (32, (4096, 131072), 1),
+               (32, 32768, 1)]
         pre = [(8192, 4096), (8192, 8192), (8192, 32768)]  # rows of 4-8, 12-16 and 30-32 leaves of 512 pools
         rag = [(1024, 32768)]
         topk = 2048
