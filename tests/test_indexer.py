@@ -489,6 +489,25 @@ def test_score_and_select_matches_topk_indices(monkeypatch, backend):
     assert torch.equal(got, want)
 
 
+def test_score_and_select_validation(monkeypatch, backend):
+    """``score_and_select`` names its own arguments: ``q``'s shape and heads, ``pool_size``,
+    ``index_topk`` below one pool (a ``select_k`` of 0), before any launch."""
+    run = Run(seed=8, num_pages=16)
+    run.prefill({"a": 40})
+    q, w = run.queries(1)
+    q, w = q.view(1, 1, run.H, D), w.view(1, 1, run.H)
+    kv, pt = run.cache.kv_cache, run.cache.page_table(["a"])
+    pos = torch.tensor([[39]], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(TypeError, match="q must have dtype"):
+        score_and_select(q.float(), w, kv, pt, pos, pool_size=4, index_topk=16)
+    with pytest.raises(ValueError, match=r"q must have shape \[B, n, H, 128\] with H in"):
+        score_and_select(q[:, :, :8], w[:, :, :8], kv, pt, pos, pool_size=4, index_topk=16)
+    with pytest.raises(ValueError, match="pool_size must be a positive int"):
+        score_and_select(q, w, kv, pt, pos, pool_size=0, index_topk=16)
+    with pytest.raises(ValueError, match="index_topk must be an int >= pool_size = 4, got 2"):
+        score_and_select(q, w, kv, pt, pos, pool_size=4, index_topk=2)
+
+
 # --------------------------------------------------------------------------------------------
 # validation
 # --------------------------------------------------------------------------------------------

@@ -629,6 +629,12 @@ def score_and_select(q, weights, kv_cache, page_table, positions, *, pool_size, 
     ``width`` default ``index_topk + P - 1``). One unchunked pass: what a decode / verify
     step of ``KPoolCache.topk_indices`` runs (used by the scoring benchmarks).
     """
+    check_tensor("q", q, dtype=torch.bfloat16, ndim=4)
+    if q.shape[3] != HEAD_DIM or q.shape[2] not in SUPPORTED_HEADS:
+        raise ValueError(f"q must have shape [B, n, H, {HEAD_DIM}] with H in {SUPPORTED_HEADS}, got {list(q.shape)}")
+    check_positive_int("pool_size", pool_size)
+    if not isinstance(index_topk, int) or isinstance(index_topk, bool) or index_topk < pool_size:
+        raise ValueError(f"index_topk must be an int >= pool_size = {pool_size}, got {index_topk!r}")
     fp8_dtype = resolve_fp8_dtype(fp8_dtype, q.device)
     q8, _, w, seq, lens = quantize_queries_and_counts(q, weights, positions, pool_size, fp8_dtype=fp8_dtype,
                                                       round_scale=round_scale)
