@@ -500,7 +500,9 @@ def test_score_and_select_validation(monkeypatch, backend):
     pos = torch.tensor([[39]], dtype=torch.int32, device=DEVICE)
     with pytest.raises(TypeError, match="q must have dtype"):
         score_and_select(q.float(), w, kv, pt, pos, pool_size=4, index_topk=16)
-    with pytest.raises(ValueError, match=r"q must have shape \[B, n, H, 128\] with H in"):
+    with pytest.raises(ValueError, match=rf"q must have shape \[B, n, H, 128\], got \[1, 1, {run.H}, 64\]"):
+        score_and_select(q[..., :64], w, kv, pt, pos, pool_size=4, index_topk=16)
+    with pytest.raises(ValueError, match=r"q must have H in \(16, 32, 64\) heads, got 8"):
         score_and_select(q[:, :, :8], w[:, :, :8], kv, pt, pos, pool_size=4, index_topk=16)
     with pytest.raises(ValueError, match="pool_size must be a positive int"):
         score_and_select(q, w, kv, pt, pos, pool_size=0, index_topk=16)

@@ -30,7 +30,7 @@ from ._backend import backend_for
 from ._checks import check_positive_int, check_slot_count, check_tensor, own_indices
 from .layout import (ENTRY_BYTES, HEAD_DIM, read_entries, resolve_fp8_dtype, resolve_layout, ring_size)
 from .ops.decode import kpool_decode_update_and_maybe_write_cache_batched
-from .ops.logits import SUPPORTED_HEADS
+from .ops.logits import check_heads
 from .ops.prefill import REQUEST_FIELDS, write_prefill
 from .ops.quant import quantize_queries, quantize_queries_and_counts
 from .ops.select import expand_pools_and_append_tail, visible_counts
@@ -343,8 +343,7 @@ class KPoolCache:
             raise ValueError("request_ids must not repeat in topk_indices")
         reqs = [self._get(r) for r in request_ids]
         p = self.pool_size
-        if not isinstance(index_topk, int) or isinstance(index_topk, bool) or index_topk < p:
-            raise ValueError(f"index_topk must be an int >= pool_size = {p}, got {index_topk!r}")
+        _check_index_topk(index_topk, p)
         select_k = index_topk // p
         natural = index_topk + p - 1
         if width is None:
@@ -358,8 +357,7 @@ class KPoolCache:
             raise ValueError(f"q must have shape [T={total}, H, {HEAD_DIM}] (T = the tokens of the listed requests' "
                              f"last steps: {counts}), got {list(q.shape)}")
         heads = q.shape[1]
-        if heads not in SUPPORTED_HEADS:
-            raise ValueError(f"q must have H in {SUPPORTED_HEADS} heads, got {heads}")
+        check_heads("q", heads)
         check_tensor("weights", weights, dtype=torch.float32, shape=(total, heads), device=self.device)
         budget = logits_budget_bytes()
         out = torch.empty((total + 1, width), dtype=torch.int32, device=self.device)  # row T: sink of padding
@@ -583,6 +581,12 @@ def _put_rows(out, rows, idx) -> None:
         out.index_copy_(0, rows, idx)
 
 
+def _check_index_topk(index_topk, pool_size: int) -> None:
+    """``index_topk`` must be an int of at least one pool (``select_k = index_topk // P >= 1``)."""
+    if not isinstance(index_topk, int) or isinstance(index_topk, bool) or index_topk < pool_size:
+        raise ValueError(f"index_topk must be an int >= pool_size = {pool_size}, got {index_topk!r}")
+
+
 def score_and_select_quantized(q8, w, kv_cache, page_table, positions, *, pool_size, select_k, width=None,
                                max_pools=None, layout=None, fp8_dtype=None, counts=None) -> torch.Tensor:
     """Device part of ``KPoolCache.topk_indices`` for one grid of rows (no host syncs when
@@ -630,11 +634,11 @@ def score_and_select(q, weights, kv_cache, page_table, positions, *, pool_size, 
     step of ``KPoolCache.topk_indices`` runs (used by the scoring benchmarks).
     """
     check_tensor("q", q, dtype=torch.bfloat16, ndim=4)
-    if q.shape[3] != HEAD_DIM or q.shape[2] not in SUPPORTED_HEADS:
-        raise ValueError(f"q must have shape [B, n, H, {HEAD_DIM}] with H in {SUPPORTED_HEADS}, got {list(q.shape)}")
+    if q.shape[3] != HEAD_DIM:
+        raise ValueError(f"q must have shape [B, n, H, {HEAD_DIM}], got {list(q.shape)}")
+    check_heads("q", q.shape[2])
     check_positive_int("pool_size", pool_size)
-    if not isinstance(index_topk, int) or isinstance(index_topk, bool) or index_topk < pool_size:
-        raise ValueError(f"index_topk must be an int >= pool_size = {pool_size}, got {index_topk!r}")
+    _check_index_topk(index_topk, pool_size)
     fp8_dtype = resolve_fp8_dtype(fp8_dtype, q.device)
     q8, _, w, seq, lens = quantize_queries_and_counts(q, weights, positions, pool_size, fp8_dtype=fp8_dtype,
                                                       round_scale=round_scale)
