@@ -68,7 +68,9 @@ LEAF_BASE = 512  # leaves of up to max(KB, LEAF_BASE) pools (H200: 32 x 128K 329
 MIN_CHUNK = 128  # ... and at least this many (smaller leaves keep all their keys, sorted)
 SELECT_WARPS = 8  # warps of the per-row threshold-select program ...
 SELECT_BLOCK = 2048  # ... and keys per step of its passes (H200 sweep: 32 x 128K 19.9 -> 12.7 us vs 16 x 4096)
-RADIX_BITS = 6  # bits per radix pass of the threshold select, at most 8 (H200, 1 x 128K: 6 -> 38.3 us, 8 -> 40.5)
+RADIX_BITS = 5  # bits per radix pass of the union bound and the threshold select, at most 8 (H200, 5th session,
+#                1 x 128K: 6 -> 38.3 us, 8 -> 40.5; 37th, 6 -> 5: 4 x 128K 27.8 -> 27.3 us, mixed 4K-128K 85.1 ->
+#                83.8, 32 x 128K 77.1 -> 76.7, other cases within their spread; 4 no better than 6)
 RANK_COMPARES = 1 << 24  # compares one threshold select may spend ranking (rank_limit; H200: 1 x 128K, 2,367
 #                          survivors: ~13 -> 4.3 us ranked; 32 x 128K, ~1,000 per row: 224 radix vs 233 ranked)
 RANK_SLICE, RANK_BLOCK = 8, 128  # survivors a ranking program ranks, and compares them with, per step (H200, 32 x
