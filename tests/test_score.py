@@ -267,7 +267,7 @@ def test_filter_bounds_hold_under_the_whole_error_budget(device, monkeypatch, fi
     assert used == [True] * 4  # two cases, ids and tokens each
 
 
-@pytest.mark.parametrize("heads_in", ["registers", "streamed", "wide leaves"])
+@pytest.mark.parametrize("heads_in", ["registers", "streamed", "wide leaves", "short rows"])
 def test_filter_survivors_reach_the_union_of_the_leaf_heads(device, monkeypatch, filter_choices, heads_in):
     """A filtered row's survivors are exactly its pools whose upper bound (the leaves' int32
     codes, ids from the list positions) reaches its bound: a key at most the ``select_k``-th
@@ -278,9 +278,11 @@ def test_filter_survivors_reach_the_union_of_the_leaf_heads(device, monkeypatch,
     rank exceeds ``HEAD``; a row whose bound rank exceeds ``POSITION_KEYS`` keeps every visible
     pool. Each leaf's heads (``store_leaf_bounds``) are sorted, from pools of the leaf at
     distinct tile positions, each at or below the pool's exact key; its position keys are one
-    per tile position."""
+    per tile position. Short rows: 7 lists, rows bounded by their position keys on registers
+    (filling over half the 8 lists' tile: 7, 6 and 5 full leaves) or streamed (4)."""
     monkeypatch.setenv("KPOOL_BACKEND", "triton")
     monkeypatch.setenv(score.SCORER_ENV, "filter")
+    case = dict(FILTER_CASE, pages_per=14, lens=[896, 895, 640, 520, 0, 128]) if heads_in == "short rows" else FILTER_CASE
     if heads_in == "streamed":
         monkeypatch.setattr(topk, "UNION_RESIDENT_KEYS", 0)
         monkeypatch.setattr(topk, "SELECT_BLOCK", 64)
@@ -298,7 +300,7 @@ def test_filter_survivors_reach_the_union_of_the_leaf_heads(device, monkeypatch,
         return surv
 
     monkeypatch.setattr(topk, "survivors", spy)
-    _, logits = run_case(device, heads=16, fp8_dtype=FP8[0], seed=23, bad_page=True, nan_codes=True, **FILTER_CASE)
+    _, logits = run_case(device, heads=16, fp8_dtype=FP8[0], seed=23, bad_page=True, nan_codes=True, **case)
     exact = reference.pool_order_keys(logits)
     cand, count, surv, chunk, lens, n_cols, select_k, filtered = seen[0]  # the fused scorer's, not the check's
     wide = heads_in == "wide leaves"  # wide_plan asks score.filters too
@@ -338,8 +340,8 @@ def test_filter_survivors_reach_the_union_of_the_leaf_heads(device, monkeypatch,
         if best is not None:  # with the pools of the select_k best heads (their upper keys are above them)
             assert set(keys[keys >= best[select_k - 1]].tolist()) <= set(kept.tolist()), f"row {r}"
     # rows of 18, 17 and 5 full leaves (rank 8, 8, 26), and 1 (rank 128: every pool survives);
-    # wide: 9, 8 and 2 (rank 15, 16, 64), and none
-    assert checked == ["heads", "heads", "positions"]
+    # wide: 9, 8 and 2 (rank 15, 16, 64), and none; short rows: 7, 6, 5, 4 (rank 19-32) and 1
+    assert checked == ["positions"] * 4 if heads_in == "short rows" else ["heads", "heads", "positions"]
 
 
 def test_wide_plan_doubles_filtering_leaves_of_long_rows(monkeypatch):

@@ -368,11 +368,12 @@ def _topk_specs(m):
             derive=lambda c: _survivor_derive(m, c)),
         "_union_bound_kernel": KernelSpec(
             ptrs=dict(cand_ptr="i64", lens_ptr="i32", bound_ptr="i64"),
-            # filtering leaves of 256 and 512 pools, and wide ones of 1,024 (KB 512); heads in registers up to LB 512
+            # filtering leaves of 256 and 512 pools, and wide ones of 1,024 (KB 512); heads in registers up to LB
+            # 512, position keys up to 128
             cross=([dict(CHUNK=256, KW=256), dict(CHUNK=512, KW=512), dict(CHUNK=1024, KW=512)],
                    axis("LB", (2, 512, 1024))),
             cycle=(int_ptr_axis("lens_ptr"), axis("lens_stride", (1, "i32"))),
-            derive=lambda c: dict(zip(("BLOCK", "RESIDENT"), m.union_block(c["LB"]))),
+            derive=lambda c: dict(zip(("BLOCK", "RESIDENT", "PK_RESIDENT"), m.union_block(c["LB"]))),
             fixed=dict(BITS=m.RADIX_BITS), options=dict(num_warps=m.SELECT_WARPS)),
         "_threshold_select_kernel": KernelSpec(
             ptrs=dict(surv_ptr="i64", count_ptr="i32", lens_ptr="i32", out_ptr="i32", seq_ptr="i64"),

@@ -81,8 +81,9 @@ RANK_WIDE_PROGRAMS = 128  # rows ranked by at least this many programs compare a
 #                           (rank_block; H200, programs per row: 1 x 128K 264, 15.97 -> 15.55 us; 2 x 128K 132,
 #                           26.1 -> 25.5; 4 x 128K 66, +0.2; 32 x 128K 8, +1.3; blocks of 512 / 1,024 lose at both)
 SURVIVOR_KEYS = 2048  # keys per program of the survivor filter
-UNION_RESIDENT_KEYS = 8192  # heads _union_bound_kernel keeps in registers for all its passes (union_block; H200,
-#                             ncu: 32 x 128K 12.4 -> 10.4 us, 128 x 1M 33.3 -> 23.6 vs streamed from memory)
+UNION_RESIDENT_KEYS = 8192  # heads, and position keys, _union_bound_kernel keeps in registers for all its passes
+#                             (union_block; H200, ncu: 32 x 128K 12.4 -> 10.4 us, 128 x 1M 33.3 -> 23.6 vs streamed
+#                             from memory)
 PROGRAMS_PER_SM = 2  # leaf grid target when choosing the leaf size
 MIN_KB = 16  # tl.topk / tl.arange below 16 keys do not lower on every target
 HEAD = tl.constexpr(MIN_KB)  # sorted best keys ahead of an unsorted leaf list (module docstring, 1.)
@@ -382,15 +383,16 @@ def _digit_hist(u, ok, bucket, span, s, BITS: tl.constexpr):
 
 @triton.jit
 def _radix_threshold(base, cnt, lo, top, select_k, BLOCK: tl.constexpr, BITS: tl.constexpr,
-                     GROUP: tl.constexpr = 1, GSTRIDE=1, RESIDENT: tl.constexpr = False):
+                     GROUP: tl.constexpr = 1, GSTRIDE=1, RESIDENT: tl.constexpr = False, keys=None):
     """The ``select_k``-th largest of the ``cnt >= select_k`` unique keys ``base[0:cnt]``
     (``_key_at``), all in ``[lo, top]``, by MSB radix passes over ``u = uint64(key - lo)``;
     returns it as ``uint64`` offset from ``lo``. The first digit is the range's top ``BITS``
     bits, each later one the next ``BITS`` (the last one fewer). A pass histograms the current
     bucket's digit, keeps the digit where the count from the top reaches ``need`` and stops
     once that bucket holds exactly the keys still needed (at the latest on bit 0: keys are
-    unique). ``RESIDENT`` (``cnt <= BLOCK``): the keys are loaded once and every pass reads
-    them from registers; else each pass streams them ``BLOCK`` at a time."""
+    unique). ``RESIDENT`` (``cnt <= BLOCK``): the keys are loaded once (or are ``keys [BLOCK]``,
+    loaded by the caller, the first ``cnt`` of them valid) and every pass reads them from
+    registers; else each pass streams them ``BLOCK`` at a time."""
     span = top.to(tl.uint64, bitcast=True) - lo.to(tl.uint64, bitcast=True)  # current bucket: [bucket, bucket + span]
     s = _first_shift(span, BITS)
     bucket = tl.zeros((), tl.uint64)  # lowest offset of the current bucket
@@ -398,9 +400,10 @@ def _radix_threshold(base, cnt, lo, top, select_k, BLOCK: tl.constexpr, BITS: tl
     searching = cnt > 0
     d = tl.arange(0, 1 << BITS)
     if RESIDENT:
-        i = tl.arange(0, BLOCK)
-        u_all = (tl.load(_key_at(base, i, GROUP, GSTRIDE), mask=i < cnt, other=0).to(tl.uint64, bitcast=True)
-                 - lo.to(tl.uint64, bitcast=True))
+        if keys is None:
+            i = tl.arange(0, BLOCK)
+            keys = tl.load(_key_at(base, i, GROUP, GSTRIDE), mask=i < cnt, other=0)
+        u_all = keys.to(tl.uint64, bitcast=True) - lo.to(tl.uint64, bitcast=True)
     while searching:
         if RESIDENT:
             hist = _digit_hist(u_all, tl.arange(0, BLOCK) < cnt, bucket, span, s, BITS)
@@ -486,13 +489,16 @@ def _survivors_kernel(cand_ptr, n_lists, lens_ptr, lens_stride, n_cols, surv_ptr
 @triton.jit
 def _union_bound_kernel(cand_ptr, n_lists, lens_ptr, lens_stride, n_cols, bound_ptr, select_k, CHUNK: tl.constexpr,
                         KW: tl.constexpr, LB: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr,
-                        RESIDENT: tl.constexpr, PDL: tl.constexpr):
+                        RESIDENT: tl.constexpr, PK_RESIDENT: tl.constexpr, PDL: tl.constexpr):
     _pdl.grid_dependency_sync(PDL)
     # Program (row): the row bound of filtering leaves (store_leaf_bounds) -> bound[row]: the
     # select_k-th best of the HEAD lower keys (distinct pools) of all its wholly visible leaves (at least
     # select_k pools score at or above it), when they hold select_k keys; else (a row of fewer
     # leaves) the select_k-th best of their PK position keys, when they hold select_k; else NO_KEY.
     # Lists of list_slots(KW, True) slots (the CHUNK <= 2 * KW upper codes after the heads).
+    # RESIDENT / PK_RESIDENT: the heads / the position keys (LB * HEAD / LB * PK) loaded once,
+    # every radix pass on registers (the position keys where they fill over half their tile);
+    # else streamed BLOCK at a time.
     row = tl.program_id(0).to(tl.int64)
     slots = list_slots(KW, True)
     base = cand_ptr + row * n_lists * slots
@@ -512,22 +518,33 @@ def _union_bound_kernel(cand_ptr, n_lists, lens_ptr, lens_stride, n_cols, bound_
     cnt = (full * HEAD).to(tl.int32)
     if (n_vis > select_k) & bound & (cnt >= select_k):
         # lo (the smallest full leaf's rank-th head) is at or below the answer: a bucket floor
-        kth = lo.to(tl.uint64, bitcast=True) + _radix_threshold(base, cnt, lo, top, select_k, BLOCK, BITS, HEAD,
-                                                                 slots, RESIDENT)
-        lo = kth.to(tl.int64, bitcast=True)
+        if RESIDENT:
+            kth = _radix_threshold(base, cnt, lo, top, select_k, BLOCK, BITS, HEAD, slots, True,
+                                   tl.reshape(heads, (LB * HEAD,)))
+        else:
+            kth = _radix_threshold(base, cnt, lo, top, select_k, BLOCK, BITS, HEAD, slots, False)
+        lo = (lo.to(tl.uint64, bitcast=True) + kth).to(tl.int64, bitcast=True)
     elif (n_vis > select_k) & (full * PK >= select_k) & ~bound:
         # the full leaves' position keys (unsorted): their smallest is a bucket floor
         cnt = (full * PK).to(tl.int32)
-        lo = tl.full((), 9223372036854775807, tl.int64)
-        top = tl.full((), NO_KEY, tl.int64)
-        for start in range(0, cnt, BLOCK):
-            i = start + tl.arange(0, BLOCK)
+        # on registers for a row filling more than half the LB * PK tile (a short row streams
+        # fewer keys per pass than the tile holds: the mixed batch's rows of 8-16 of 32 lists)
+        resident = (2 * cnt > LB * PK) if PK_RESIDENT else False
+        if resident:
+            i = tl.arange(0, LB * PK)
             key = tl.load(_key_at(base + HEAD, i, PK, slots), mask=i < cnt, other=NO_KEY)
-            lo = tl.minimum(lo, tl.min(tl.where(i < cnt, key, 9223372036854775807)))
-            top = tl.maximum(top, tl.max(key))
-        kth = lo.to(tl.uint64, bitcast=True) + _radix_threshold(base + HEAD, cnt, lo, top, select_k, BLOCK, BITS,
-                                                                 PK, slots, False)
-        lo = kth.to(tl.int64, bitcast=True)
+            lo = tl.min(tl.where(i < cnt, key, 9223372036854775807))
+            kth = _radix_threshold(base + HEAD, cnt, lo, tl.max(key), select_k, LB * PK, BITS, PK, slots, True, key)
+        else:
+            lo = tl.full((), 9223372036854775807, tl.int64)
+            top = tl.full((), NO_KEY, tl.int64)
+            for start in range(0, cnt, BLOCK):
+                i = start + tl.arange(0, BLOCK)
+                key = tl.load(_key_at(base + HEAD, i, PK, slots), mask=i < cnt, other=NO_KEY)
+                lo = tl.minimum(lo, tl.min(tl.where(i < cnt, key, 9223372036854775807)))
+                top = tl.maximum(top, tl.max(key))
+            kth = _radix_threshold(base + HEAD, cnt, lo, top, select_k, BLOCK, BITS, PK, slots, False)
+        lo = (lo.to(tl.uint64, bitcast=True) + kth).to(tl.int64, bitcast=True)
     tl.store(bound_ptr + row, lo)
 
 
@@ -701,11 +718,14 @@ def survivor_block(chunk: int, kb: int, filtered: bool = False) -> tuple:
 
 
 def union_block(n_lists: int) -> tuple:
-    """``(BLOCK, RESIDENT)`` of ``_union_bound_kernel`` for rows of ``n_lists`` leaf lists: all
-    their ``HEAD`` keys in registers up to ``UNION_RESIDENT_KEYS``, else streamed
-    ``SELECT_BLOCK`` at a time."""
-    heads = triton.next_power_of_2(n_lists) * MIN_KB
-    return (heads, True) if heads <= UNION_RESIDENT_KEYS else (SELECT_BLOCK, False)
+    """``(BLOCK, RESIDENT, PK_RESIDENT)`` of ``_union_bound_kernel`` for rows of ``n_lists`` leaf
+    lists: all their ``HEAD`` keys, and all their ``POSITION_KEYS``, in registers up to
+    ``UNION_RESIDENT_KEYS`` each, else streamed ``SELECT_BLOCK`` at a time."""
+    lists = triton.next_power_of_2(n_lists)
+    pk_resident = lists * POSITION_KEYS <= UNION_RESIDENT_KEYS
+    if lists * MIN_KB <= UNION_RESIDENT_KEYS:
+        return lists * MIN_KB, True, pk_resident
+    return SELECT_BLOCK, False, pk_resident
 
 
 def survivors(cand, count, chunk, lens, n_cols, select_k, filtered: bool = False):
@@ -724,10 +744,11 @@ def survivors(cand, count, chunk, lens, n_cols, select_k, filtered: bool = False
     bound = surv  # unused (the bound is each program's _row_bound) unless filtered
     if filtered:
         bound = torch.empty((rows,), dtype=torch.int64, device=cand.device)
-        block, resident = union_block(n_lists)
+        block, resident, pk_resident = union_block(n_lists)
         _union_bound_kernel[(rows,)](cand, n_lists, lens, lens.stride(0), n_cols, bound, select_k, CHUNK=chunk,
                                      KW=kw, LB=triton.next_power_of_2(n_lists), BLOCK=block, BITS=RADIX_BITS,
-                                     RESIDENT=resident, num_warps=SELECT_WARPS, **pdl_launch(cand.device))
+                                     RESIDENT=resident, PK_RESIDENT=pk_resident, num_warps=SELECT_WARPS,
+                                     **pdl_launch(cand.device))
     _survivors_kernel[(rows, triton.cdiv(n_lists, lg))](
         cand, n_lists, lens, lens.stride(0), n_cols, surv, count, bound, select_k, CHUNK=chunk, KW=kw, LG=lg,
         LB=triton.next_power_of_2(n_lists), FILTER=filtered, **pdl_launch(cand.device))
