@@ -60,11 +60,13 @@ def test_threshold_selection(backend, device, select_k, block, bits, limit, monk
     compares (up to ``limit`` survivors per row; ``None``: the default ``RANK_COMPARES``, 0:
     none) and the others by radix passes of ``bits`` bits (64 not a multiple of 3: a last digit of fewer
     bits), in one launch when ``limit`` is 300 (the tied rows keep every key); one or many
-    blocks of ``block`` keys per step, ranking slices past the survivors (compared with blocks of
+    blocks of ``block`` keys per step (rows of at most ``block`` survivors held in registers by
+    the radix select, longer ones streamed), ranking slices past the survivors (compared with blocks of
     64 keys, or of ``rank_block``'s wide 256), and the whole 64-bit key range (NaN, -inf and
     +inf next to tiny scores)."""
     monkeypatch.setattr(topk, "MIN_CHUNK", 32)
     monkeypatch.setattr(topk, "SELECT_BLOCK", block)
+    monkeypatch.setattr(topk, "SELECT_HELD_KEYS", block)
     monkeypatch.setattr(topk, "RADIX_BITS", bits)
     monkeypatch.setattr(topk, "SURVIVOR_KEYS", block)
     monkeypatch.setattr(topk, "RANK_BLOCK", min(block, topk.RANK_BLOCK))

@@ -379,7 +379,7 @@ def _topk_specs(m):
             ptrs=dict(surv_ptr="i64", count_ptr="i32", lens_ptr="i32", out_ptr="i32", seq_ptr="i64"),
             cross=(_kb_axis(),), cycle=(int_ptr_axis("lens_ptr", "seq_ptr"), axis("lens_stride", (1, "i32")),
                                         _expand_axis(), axis("RANK_BLOCK", (m.rank_block(1), m.rank_block(1 << 30)))),
-            fixed=dict(BLOCK=m.SELECT_BLOCK, BITS=m.RADIX_BITS, SLICE=m.RANK_SLICE),
+            fixed=dict(BLOCK=m.SELECT_BLOCK, BITS=m.RADIX_BITS, HELD=m.SELECT_HELD_KEYS, SLICE=m.RANK_SLICE),
             options=dict(num_warps=m.SELECT_WARPS)),
     }
 

@@ -68,6 +68,9 @@ LEAF_BASE = 512  # leaves of up to max(KB, LEAF_BASE) pools (H200: 32 x 128K 329
 MIN_CHUNK = 128  # ... and at least this many (smaller leaves keep all their keys, sorted)
 SELECT_WARPS = 8  # warps of the per-row threshold-select program ...
 SELECT_BLOCK = 2048  # ... and keys per step of its passes (H200 sweep: 32 x 128K 19.9 -> 12.7 us vs 16 x 4096)
+SELECT_HELD_KEYS = 2048  # survivors up to which its radix select loads them once, every pass on registers
+#                          (tiles of 1 / 4, 1 / 2 or all of it; H200: 32 x 32K -1.2 us, prefill 8,192 x 4,096
+#                          pools -3%; 4,096: the mixed batch -2 us but 32 x 128K +1 us)
 RADIX_BITS = 5  # bits per radix pass of the union bound and the threshold select, at most 8 (H200, 5th session,
 #                1 x 128K: 6 -> 38.3 us, 8 -> 40.5; 37th, 6 -> 5: 4 x 128K 27.8 -> 27.3 us, mixed 4K-128K 85.1 ->
 #                83.8, 32 x 128K 77.1 -> 76.7, other cases within their spread; 4 no better than 6)
@@ -329,13 +332,19 @@ def _compact(base, n, min_key, BLOCK: tl.constexpr):
     cnt = tl.zeros((), tl.int32)
     for start in range(0, n, BLOCK):
         i = start + tl.arange(0, BLOCK)
-        key = tl.load(base + i, mask=i < n, other=NO_KEY)
-        keep = (key >= min_key) & (key != NO_KEY)
-        tl.debug_barrier()
-        pos = cnt + tl.cumsum(keep.to(tl.int32), 0) - 1
-        tl.store(base + pos, key, mask=keep)
-        cnt += tl.sum(keep.to(tl.int32))
+        cnt = _store_kept(base, tl.load(base + i, mask=i < n, other=NO_KEY), min_key, cnt)
     tl.debug_barrier()
+
+
+@triton.jit
+def _store_kept(base, key, min_key, cnt):
+    """Of a tile of keys already loaded from ``base`` (unloaded lanes ``NO_KEY``): those ``>=
+    min_key`` (never ``NO_KEY``) stored in order at ``base[cnt:]``, after a barrier that keeps
+    the writes behind every program thread's reads; returns ``cnt`` plus their number."""
+    keep = (key >= min_key) & (key != NO_KEY)
+    tl.debug_barrier()
+    tl.store(base + cnt + tl.cumsum(keep.to(tl.int32), 0) - 1, key, mask=keep)
+    return cnt + tl.sum(keep.to(tl.int32))
 
 
 @triton.jit
@@ -578,21 +587,44 @@ def _rank_write(base, cnt, out_row, select_k, SLICE: tl.constexpr, BLOCK: tl.con
 
 
 @triton.jit
+def _held_compact(base, cnt, select_k, TILE: tl.constexpr, BITS: tl.constexpr):
+    """``_radix_select``'s min / max, radix passes and compaction of ``cnt <= TILE`` keys
+    ``base[0:cnt]``, loaded once: the ``select_k`` best left in front."""
+    i = tl.arange(0, TILE)
+    key = tl.load(base + i, mask=i < cnt, other=NO_KEY)
+    lo, top = tl.reduce((tl.where(i < cnt, key, 9223372036854775807), key), 0, _min_max)
+    kth = lo.to(tl.uint64, bitcast=True) + _radix_threshold(base, cnt, lo, top, select_k, TILE, BITS,
+                                                             RESIDENT=True, keys=key)
+    _store_kept(base, key, kth.to(tl.int64, bitcast=True), 0)
+    tl.debug_barrier()
+
+
+@triton.jit
 def _radix_select(base, cnt, out_row, n_vis, select_k, KB: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr,
-                  P: tl.constexpr, PB: tl.constexpr):
+                  HELD: tl.constexpr, P: tl.constexpr, PB: tl.constexpr):
     """The ``select_k`` best of the ``cnt >= select_k`` unique keys ``base[0:cnt]``, sorted, as
     pool ids in ``out_row``: min / max, radix passes to the ``select_k``-th, compaction of the
-    keys at or above it (``base`` is overwritten), a sort of those."""
-    lo = tl.full((), 9223372036854775807, tl.int64)
-    top = tl.full((), NO_KEY, tl.int64)
-    for start in range(0, cnt, BLOCK):
-        i = start + tl.arange(0, BLOCK)
-        key = tl.load(base + i, mask=i < cnt, other=NO_KEY)
-        lo_i, top_i = tl.reduce((tl.where(i < cnt, key, 9223372036854775807), key), 0, _min_max)
-        lo = tl.minimum(lo, lo_i)
-        top = tl.maximum(top, top_i)
-    kth = lo.to(tl.uint64, bitcast=True) + _radix_threshold(base, cnt, lo, top, select_k, BLOCK, BITS)
-    _compact(base, cnt, kth.to(tl.int64, bitcast=True), BLOCK)  # exactly select_k keys left in front
+    keys at or above it (``base`` is overwritten), a sort of those. Up to ``HELD`` keys are
+    loaded once and every step reads them from registers (a tile of ``HELD / 4``, ``HELD / 2``
+    or ``HELD`` keys: a step's work is its tile's); more are streamed ``BLOCK`` at a time by
+    each step."""
+    if cnt <= HELD // 4:
+        _held_compact(base, cnt, select_k, HELD // 4, BITS)
+    elif cnt <= HELD // 2:
+        _held_compact(base, cnt, select_k, HELD // 2, BITS)
+    elif cnt <= HELD:
+        _held_compact(base, cnt, select_k, HELD, BITS)
+    else:
+        lo = tl.full((), 9223372036854775807, tl.int64)
+        top = tl.full((), NO_KEY, tl.int64)
+        for start in range(0, cnt, BLOCK):
+            i = start + tl.arange(0, BLOCK)
+            key = tl.load(base + i, mask=i < cnt, other=NO_KEY)
+            lo_i, top_i = tl.reduce((tl.where(i < cnt, key, 9223372036854775807), key), 0, _min_max)
+            lo = tl.minimum(lo, lo_i)
+            top = tl.maximum(top, top_i)
+        kth = lo.to(tl.uint64, bitcast=True) + _radix_threshold(base, cnt, lo, top, select_k, BLOCK, BITS)
+        _compact(base, cnt, kth.to(tl.int64, bitcast=True), BLOCK)  # exactly select_k keys left in front
     c = tl.arange(0, KB)
     keys = tl.load(base + c, mask=c < select_k, other=NO_KEY)
     emit_selection(out_row, tl.sort(keys, descending=True), n_vis, select_k, KB, P, PB)
@@ -601,7 +633,8 @@ def _radix_select(base, cnt, out_row, n_vis, select_k, KB: tl.constexpr, BLOCK: 
 @triton.jit
 def _threshold_select_kernel(surv_ptr, n_surv, count_ptr, lens_ptr, lens_stride, n_cols, out_ptr, out_stride,
                              select_k, rank_limit, seq_ptr, seq_stride, n_tail, KB: tl.constexpr,
-                             BLOCK: tl.constexpr, BITS: tl.constexpr, SLICE: tl.constexpr, RANK_BLOCK: tl.constexpr,
+                             BLOCK: tl.constexpr, BITS: tl.constexpr, HELD: tl.constexpr, SLICE: tl.constexpr,
+                             RANK_BLOCK: tl.constexpr,
                              P: tl.constexpr, PB: tl.constexpr, TAIL: tl.constexpr, TAIL_BLOCK: tl.constexpr,
                              PDL: tl.constexpr):
     _pdl.grid_dependency_sync(PDL)
@@ -618,7 +651,7 @@ def _threshold_select_kernel(surv_ptr, n_surv, count_ptr, lens_ptr, lens_stride,
         if cnt <= rank_limit:
             _rank_write(base, cnt, out_row, select_k, SLICE, RANK_BLOCK, P, PB)
         elif tl.program_id(1) == 0:
-            _radix_select(base, cnt, out_row, n_vis, select_k, KB, BLOCK, BITS, P, PB)
+            _radix_select(base, cnt, out_row, n_vis, select_k, KB, BLOCK, BITS, HELD, P, PB)
     elif tl.program_id(1) == 0:
         emit_in_order(out_row, n_vis, select_k, KB, P, PB)
     if tl.program_id(1) == 0:
@@ -790,7 +823,8 @@ def threshold_select(cand, count, chunk, lens, n_cols, select_k, out, refine=Non
     programs = rank_programs(rows, limit, out.device)
     _threshold_select_kernel[(rows, programs)](
         surv, surv.shape[1], count, lens, lens.stride(0), n_cols, out, out.stride(0), select_k, limit,
-        KB=key_block(select_k), BLOCK=SELECT_BLOCK, BITS=RADIX_BITS, SLICE=RANK_SLICE, RANK_BLOCK=rank_block(programs),
+        KB=key_block(select_k), BLOCK=SELECT_BLOCK, BITS=RADIX_BITS, HELD=SELECT_HELD_KEYS, SLICE=RANK_SLICE,
+        RANK_BLOCK=rank_block(programs),
         **expansion_args(expand, select_k, lens), num_warps=SELECT_WARPS, **pdl_launch(out.device),
     )
 
