@@ -433,6 +433,30 @@ def _radix_threshold(base, cnt, lo, top, select_k, BLOCK: tl.constexpr, BITS: tl
 
 
 @triton.jit
+def _min_max(a_lo, a_top, b_lo, b_top):
+    return tl.minimum(a_lo, b_lo), tl.maximum(a_top, b_top)
+
+
+@triton.jit
+def _tile_range(key, ok):
+    """``(lo, top)``: the smallest and largest of a tile of keys where ``ok`` (``NO_KEY`` elsewhere)."""
+    return tl.reduce((tl.where(ok, key, 9223372036854775807), key), 0, _min_max)
+
+
+@triton.jit
+def _keys_range(base, cnt, BLOCK: tl.constexpr, GROUP: tl.constexpr = 1, GSTRIDE=1):
+    """``_tile_range`` of the ``cnt`` keys at ``base`` (``_key_at``), loaded ``BLOCK`` at a time."""
+    lo = tl.full((), 9223372036854775807, tl.int64)
+    top = tl.full((), NO_KEY, tl.int64)
+    for start in range(0, cnt, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        lo_i, top_i = _tile_range(tl.load(_key_at(base, i, GROUP, GSTRIDE), mask=i < cnt, other=NO_KEY), i < cnt)
+        lo = tl.minimum(lo, lo_i)
+        top = tl.maximum(top, top_i)
+    return lo, top
+
+
+@triton.jit
 def _row_bound_slot(n_vis, select_k, CHUNK: tl.constexpr, KW: tl.constexpr, FILTER: tl.constexpr):
     """``(full, bound, at)`` of ``_row_bound``: the row's wholly visible leaves, whether their
     lists bound the row, and the slot in each list of the key that bounds it."""
@@ -542,24 +566,13 @@ def _union_bound_kernel(cand_ptr, n_lists, lens_ptr, lens_stride, n_cols, bound_
         if resident:
             i = tl.arange(0, LB * PK)
             key = tl.load(_key_at(base + HEAD, i, PK, slots), mask=i < cnt, other=NO_KEY)
-            lo = tl.min(tl.where(i < cnt, key, 9223372036854775807))
-            kth = _radix_threshold(base + HEAD, cnt, lo, tl.max(key), select_k, LB * PK, BITS, PK, slots, True, key)
+            lo, top = _tile_range(key, i < cnt)
+            kth = _radix_threshold(base + HEAD, cnt, lo, top, select_k, LB * PK, BITS, PK, slots, True, key)
         else:
-            lo = tl.full((), 9223372036854775807, tl.int64)
-            top = tl.full((), NO_KEY, tl.int64)
-            for start in range(0, cnt, BLOCK):
-                i = start + tl.arange(0, BLOCK)
-                key = tl.load(_key_at(base + HEAD, i, PK, slots), mask=i < cnt, other=NO_KEY)
-                lo = tl.minimum(lo, tl.min(tl.where(i < cnt, key, 9223372036854775807)))
-                top = tl.maximum(top, tl.max(key))
+            lo, top = _keys_range(base + HEAD, cnt, BLOCK, PK, slots)
             kth = _radix_threshold(base + HEAD, cnt, lo, top, select_k, BLOCK, BITS, PK, slots, False)
         lo = (lo.to(tl.uint64, bitcast=True) + kth).to(tl.int64, bitcast=True)
     tl.store(bound_ptr + row, lo)
-
-
-@triton.jit
-def _min_max(a_lo, a_top, b_lo, b_top):
-    return tl.minimum(a_lo, b_lo), tl.maximum(a_top, b_top)
 
 
 @triton.jit
@@ -592,7 +605,7 @@ def _held_compact(base, cnt, select_k, TILE: tl.constexpr, BITS: tl.constexpr):
     ``base[0:cnt]``, loaded once: the ``select_k`` best left in front."""
     i = tl.arange(0, TILE)
     key = tl.load(base + i, mask=i < cnt, other=NO_KEY)
-    lo, top = tl.reduce((tl.where(i < cnt, key, 9223372036854775807), key), 0, _min_max)
+    lo, top = _tile_range(key, i < cnt)
     kth = lo.to(tl.uint64, bitcast=True) + _radix_threshold(base, cnt, lo, top, select_k, TILE, BITS,
                                                              RESIDENT=True, keys=key)
     _store_kept(base, key, kth.to(tl.int64, bitcast=True), 0)
@@ -615,14 +628,7 @@ def _radix_select(base, cnt, out_row, n_vis, select_k, KB: tl.constexpr, BLOCK: 
     elif cnt <= HELD:
         _held_compact(base, cnt, select_k, HELD, BITS)
     else:
-        lo = tl.full((), 9223372036854775807, tl.int64)
-        top = tl.full((), NO_KEY, tl.int64)
-        for start in range(0, cnt, BLOCK):
-            i = start + tl.arange(0, BLOCK)
-            key = tl.load(base + i, mask=i < cnt, other=NO_KEY)
-            lo_i, top_i = tl.reduce((tl.where(i < cnt, key, 9223372036854775807), key), 0, _min_max)
-            lo = tl.minimum(lo, lo_i)
-            top = tl.maximum(top, top_i)
+        lo, top = _keys_range(base, cnt, BLOCK)
         kth = lo.to(tl.uint64, bitcast=True) + _radix_threshold(base, cnt, lo, top, select_k, BLOCK, BITS)
         _compact(base, cnt, kth.to(tl.int64, bitcast=True), BLOCK)  # exactly select_k keys left in front
     c = tl.arange(0, KB)
