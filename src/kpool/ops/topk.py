@@ -32,7 +32,7 @@ Kernels:
    every wholly visible leaf's list; at least ``select_k`` keys are at or above the smallest;
    for filtering leaves, ``_union_bound_kernel``'s tighter ``select_k``-th best of all those
    leaves' ``HEAD`` lower keys, or of their position keys, one program per row, radix passes
-   over the heads in registers)
+   over the heads, or position keys filling over half their tile, in registers)
    and appends the keys at or above it to a survivor buffer (offsets from an atomic counter:
    the order varies, the set does not). ``_threshold_select_kernel`` then writes the
    ``select_k`` best survivors' ids, sorted, in one of two ways. A row with at most
@@ -41,8 +41,9 @@ Kernels:
    ones ranked below ``select_k`` write their ids at that column (no sort, no serial
    passes). A row with more survivors (a loose bound: e.g. all-tied scores) goes to one
    program's MSB radix passes of ``RADIX_BITS`` bits (``tl.histogram``) over the offsets
-   from the smallest survivor, which find the ``select_k``-th best; the keys at or above it
-   (exactly ``select_k``) are compacted and sorted. Integer work only: exact and
+   from the smallest survivor, which find the ``select_k``-th best (up to
+   ``SELECT_HELD_KEYS`` survivors loaded once, in registers for every pass); the keys at or
+   above it (exactly ``select_k``) are compacted and sorted. Integer work only: exact and
    deterministic. H200, 1 x 128K: 41 us of bitonic merges became 4 + 20 us (5th session),
    4 + ~13 us (12th: fewer, cheaper radix passes, one program's dependent steps of
    ~0.5-1.6 us each), then 4 + 4.3 us ranked (13th). Rows whose keys all tie leave the
