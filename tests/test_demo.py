@@ -1,6 +1,9 @@
 """The main job (`kpool demo`) end to end on small sizes: it raises on any byte that differs
 from the oracle, so passing means every pool, ring and selection row checked was exact."""
 
+import subprocess
+import sys
+
 from kpool.cli import main
 from kpool.demo import format_summary, run_demo
 
@@ -18,3 +21,9 @@ def test_demo_session_checks(backend):
 def test_cli_demo_prints_summary(capsys):
     assert main(["demo", "--requests", "2", "--max-prompt", "40", "--decode-steps", "2", "--device", "cpu"]) == 0
     assert "checks passed" in capsys.readouterr().out
+
+
+def test_python_m_kpool_is_the_console_script():
+    """``python -m kpool`` runs ``kpool.cli`` (where the console script is not on PATH)."""
+    done = subprocess.run([sys.executable, "-m", "kpool", "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "demo" in done.stdout, done.stderr
