@@ -10,6 +10,8 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kpool import reference
 from kpool.ops import topk
@@ -104,6 +106,40 @@ def test_threshold_selection(backend, device, select_k, block, bits, limit, monk
     if backend == "triton" and limit is not None:
         ranked = counts[0][pool_lens.to(device) > select_k] <= topk.rank_limit(8)
         assert not ranked.any() if limit == 0 else 0 < int(ranked.sum()) < ranked.numel()
+
+
+@triton.jit
+def _radix_select_rows(surv_ptr, n_surv, count_ptr, out_ptr, select_k, KB: tl.constexpr, BLOCK: tl.constexpr,
+                       BITS: tl.constexpr, HELD: tl.constexpr):
+    row = tl.program_id(0)
+    cnt = tl.load(count_ptr + row)
+    topk._radix_select(surv_ptr + row * n_surv, cnt, out_ptr + row * select_k, n_surv, select_k, KB, BLOCK, BITS,
+                       HELD, 1, 1)  # rows of n_surv visible pools, cnt >= select_k of them survivors
+
+
+@pytest.mark.parametrize("select_k", [5, 16])
+def test_radix_select_at_its_tile_boundaries(device, select_k):
+    """The threshold select's radix path on survivor counts at and one past each held tile
+    (``HELD / 4``, ``HELD / 2``, ``HELD``; HELD 64, so 16 / 32 / 64) and streamed beyond it
+    (blocks of 32): the ``select_k`` best of each row's unique keys, in any order in the
+    survivor buffer, sorted, with exact score ties between pools."""
+    held, block, n = 64, 32, 200
+    counts = [max(select_k, 12), 16, 17, 32, 33, 64, 65, 150]
+    g = torch.Generator().manual_seed(select_k)
+    logits = torch.randint(-8, 8, (len(counts), n), generator=g).float() * 0.5  # exact ties
+    keys = reference.pool_order_keys(logits)
+    surv = torch.full((len(counts), n), topk.NO_KEY.value, dtype=torch.int64)
+    want = torch.empty((len(counts), select_k), dtype=torch.int32)
+    for r, c in enumerate(counts):
+        pick = torch.randperm(n, generator=g)[:c]
+        surv[r, :c] = keys[r, pick]
+        want[r] = (2**32 - 1 - (keys[r, pick].sort(descending=True).values[:select_k] & (2**32 - 1))).int()
+    count = torch.tensor(counts, dtype=torch.int32)
+    out = torch.full((len(counts), select_k), -2, dtype=torch.int32, device=device)
+    surv, count = surv.to(device), count.to(device)
+    _radix_select_rows[(len(counts),)](surv, n, count, out, select_k, KB=topk.key_block(select_k), BLOCK=block,
+                                       BITS=topk.RADIX_BITS, HELD=held)
+    assert torch.equal(out.cpu(), want)
 
 
 @pytest.mark.parametrize("select_k", [16, 100])
