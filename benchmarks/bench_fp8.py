@@ -5,7 +5,7 @@ The same compress + write as ``bench_compress`` (plain layout, e4m3fn, P = 4 and
 ``_jit.fp8_encode``) and ``native`` (``KPOOL_FP8_ENCODER=native``: Triton's
 ``.to(tl.float8e4nv)``, on targets that have it). Both are checked byte for byte against
 the CPU torch reference before timing. The ratio decided the default (``auto`` = native where
-available: ``kpool._backend.native_fp8``; benchmarks/NOTES.md records the measurement).
+available: ``kpool._backend.native_fp8``; benchmarks/LOG.md records the measurement).
 """
 
 from __future__ import annotations

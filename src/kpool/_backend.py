@@ -17,7 +17,7 @@ saturates to ±448 and gives the canonical 0x7F for every NaN, checked on an H20
 signs and several payloads; H200 compress P=4 -2% without the NaN select). ``auto``
 (default) is the measured choice: native where the target has the conversion, software
 elsewhere, i.e. the same as ``native`` today (H200, compress+write: native 8% faster at
-P=4 and P=16; benchmarks/NOTES.md). All give the same bytes.
+P=4 and P=16; benchmarks/LOG.md). All give the same bytes.
 The same choice picks the scorers' decoder (fp8 -> fp16 conversion, or the table
 ``_jit_fp8.halves_table``; same halves). The AOT compile matrix (``kpool.aot``) compiles
 each target with the ``auto`` choice, from the same table (``native_fp8_mode``).

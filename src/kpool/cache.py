@@ -39,7 +39,7 @@ from .ops.score import paged_pool_topk
 LOGITS_BUDGET_ENV = "KPOOL_LOGITS_BUDGET_MB"
 DEFAULT_LOGITS_BUDGET_MB = 1024  # H200, prefill 8,192 queries x 8,192 / 32,768 pools: 256 MiB 6-9 / 28 ms
 #                                  a step (host-bound: ~0.7 ms of launches per grid), 1,024 MiB 4.0 / 11.3
-#                                  (benchmarks/NOTES.md)
+#                                  (benchmarks/LOG.md)
 
 
 class CacheCapacityError(RuntimeError):

@@ -1,7 +1,7 @@
 """``python -m kpool.sass``: what one kernel specialisation compiles to on an NVIDIA target, on a CPU.
 
 A developer's tool for the kernels' inner loops (the 20th and 21st sessions' scoring work
-came from it: benchmarks/NOTES.md). It takes one job of ``kpool.aot``'s compile matrix (the
+came from it: benchmarks/LOG.md). It takes one job of ``kpool.aot``'s compile matrix (the
 launchers' constexprs and options), optionally changes some constexprs or the register cap,
 compiles it with the triton wheel's own tools (no GPU) and reports:
 

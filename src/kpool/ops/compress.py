@@ -19,7 +19,7 @@ from ..layout import HEAD_DIM, fp8_max, resolve_fp8_dtype, resolve_layout
 from . import _jit, _pdl
 
 # Pools per one-warp program, by P: on the H200 2 pools (P=4) and 1 pool (P=16) beat 1-32
-# pools on 1-8 warps (benchmarks/NOTES.md); the CPU interpreter runs fewer, larger programs
+# pools on 1-8 warps (benchmarks/LOG.md); the CPU interpreter runs fewer, larger programs
 # faster. The bytes do not depend on the tile size.
 BLOCK_POOLS = {4: 2}
 NUM_WARPS = 1

@@ -30,7 +30,7 @@ SMALL_BATCH = 256  # requests; up to this many, a program (one request) gets 4 w
 
 
 def decode_warps(num_req: int, next_n: int) -> int:
-    """Warps per program (H200 sweeps, benchmarks/NOTES.md): 4 up to ``SMALL_BATCH`` requests;
+    """Warps per program (H200 sweeps, benchmarks/LOG.md): 4 up to ``SMALL_BATCH`` requests;
     above, 1 for verify steps (next_n >= 2; B=1024 next_n=4: P=4 4.50 -> 4.37 us, P=16
     6.77 -> 6.21 vs 2 / 4 warps), 2 for decode steps."""
     if num_req <= SMALL_BATCH:

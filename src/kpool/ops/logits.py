@@ -36,7 +36,7 @@ halves built once per program); the decode path of ``KPoolCache`` uses ``ops/sco
 fused ``paged_pool_topk`` instead, built from the same ``paged_tile`` / ``paged_tile_logits``.
 The exact formulation costs four fp16 MMAs per fp8 product (two operands per side), a
 decode per key code and 20 fp32 additions per logit (the grid split), so scoring is bound by the
-SM's instruction issue and latency, not by HBM (benchmarks/NOTES.md).
+SM's instruction issue and latency, not by HBM (benchmarks/LOG.md).
 """
 
 from __future__ import annotations
