@@ -393,29 +393,25 @@ def _digit_hist(u, ok, bucket, span, s, BITS: tl.constexpr):
 
 @triton.jit
 def _radix_threshold(base, cnt, lo, top, select_k, BLOCK: tl.constexpr, BITS: tl.constexpr,
-                     GROUP: tl.constexpr = 1, GSTRIDE=1, RESIDENT: tl.constexpr = False, keys=None):
-    """The ``select_k``-th largest of the ``cnt >= select_k`` unique keys ``base[0:cnt]``
-    (``_key_at``), all in ``[lo, top]``, by MSB radix passes over ``u = uint64(key - lo)``;
-    returns it as ``uint64`` offset from ``lo``. The first digit is the range's top ``BITS``
-    bits, each later one the next ``BITS`` (the last one fewer). A pass histograms the current
-    bucket's digit, keeps the digit where the count from the top reaches ``need`` and stops
-    once that bucket holds exactly the keys still needed (at the latest on bit 0: keys are
-    unique). ``RESIDENT`` (``cnt <= BLOCK``): the keys are loaded once (or are ``keys [BLOCK]``,
-    loaded by the caller, the first ``cnt`` of them valid) and every pass reads them from
-    registers; else each pass streams them ``BLOCK`` at a time."""
+                     GROUP: tl.constexpr = 1, GSTRIDE=1, keys=None):
+    """The ``select_k``-th largest (int64) of the ``cnt >= select_k`` unique keys ``base[0:cnt]``
+    (``_key_at``), all in ``[lo, top]``, by MSB radix passes over ``u = uint64(key - lo)``. The
+    first digit is the range's top ``BITS`` bits, each later one the next ``BITS`` (the last
+    one fewer). A pass histograms the current bucket's digit, keeps the digit where the count
+    from the top reaches ``need`` and stops once that bucket holds exactly the keys still
+    needed (at the latest on bit 0: keys are unique). With ``keys [BLOCK]`` (``cnt <= BLOCK``,
+    the first ``cnt`` valid: the caller loaded them) every pass reads them from registers;
+    else each pass streams them from ``base`` ``BLOCK`` at a time."""
     span = top.to(tl.uint64, bitcast=True) - lo.to(tl.uint64, bitcast=True)  # current bucket: [bucket, bucket + span]
     s = _first_shift(span, BITS)
     bucket = tl.zeros((), tl.uint64)  # lowest offset of the current bucket
     need = tl.zeros((), tl.int32) + select_k
     searching = cnt > 0
     d = tl.arange(0, 1 << BITS)
-    if RESIDENT:
-        if keys is None:
-            i = tl.arange(0, BLOCK)
-            keys = tl.load(_key_at(base, i, GROUP, GSTRIDE), mask=i < cnt, other=0)
+    if keys is not None:
         u_all = keys.to(tl.uint64, bitcast=True) - lo.to(tl.uint64, bitcast=True)
     while searching:
-        if RESIDENT:
+        if keys is not None:
             hist = _digit_hist(u_all, tl.arange(0, BLOCK) < cnt, bucket, span, s, BITS)
         else:
             hist = tl.zeros((1 << BITS,), tl.int32)
@@ -430,7 +426,7 @@ def _radix_threshold(base, cnt, lo, top, select_k, BLOCK: tl.constexpr, BITS: tl
         span = (tl.full((), 1, tl.uint64) << s.to(tl.uint64)) - 1
         searching = (need != n_eq) & (s > 0)
         s = tl.maximum(s - BITS, 0)
-    return bucket
+    return (lo.to(tl.uint64, bitcast=True) + bucket).to(tl.int64, bitcast=True)
 
 
 @triton.jit
@@ -455,6 +451,16 @@ def _keys_range(base, cnt, BLOCK: tl.constexpr, GROUP: tl.constexpr = 1, GSTRIDE
         lo = tl.minimum(lo, lo_i)
         top = tl.maximum(top, top_i)
     return lo, top
+
+
+@triton.jit
+def _held_kth(base, cnt, select_k, TILE: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr = 1, GSTRIDE=1):
+    """``(keys [TILE], kth)``: the ``cnt <= TILE`` keys at ``base`` (``_key_at``) loaded once
+    (``NO_KEY`` past ``cnt``) and their ``select_k``-th largest, every radix pass on registers."""
+    i = tl.arange(0, TILE)
+    key = tl.load(_key_at(base, i, GROUP, GSTRIDE), mask=i < cnt, other=NO_KEY)
+    lo, top = _tile_range(key, i < cnt)
+    return key, _radix_threshold(base, cnt, lo, top, select_k, TILE, BITS, GROUP, GSTRIDE, key)
 
 
 @triton.jit
@@ -553,11 +559,10 @@ def _union_bound_kernel(cand_ptr, n_lists, lens_ptr, lens_stride, n_cols, bound_
     if (n_vis > select_k) & bound & (cnt >= select_k):
         # lo (the smallest full leaf's rank-th head) is at or below the answer: a bucket floor
         if RESIDENT:
-            kth = _radix_threshold(base, cnt, lo, top, select_k, BLOCK, BITS, HEAD, slots, True,
-                                   tl.reshape(heads, (LB * HEAD,)))
+            lo = _radix_threshold(base, cnt, lo, top, select_k, BLOCK, BITS, HEAD, slots,
+                                  tl.reshape(heads, (LB * HEAD,)))
         else:
-            kth = _radix_threshold(base, cnt, lo, top, select_k, BLOCK, BITS, HEAD, slots, False)
-        lo = (lo.to(tl.uint64, bitcast=True) + kth).to(tl.int64, bitcast=True)
+            lo = _radix_threshold(base, cnt, lo, top, select_k, BLOCK, BITS, HEAD, slots)
     elif (n_vis > select_k) & (full * PK >= select_k) & ~bound:
         # the full leaves' position keys (unsorted): their smallest is a bucket floor
         cnt = (full * PK).to(tl.int32)
@@ -565,14 +570,10 @@ def _union_bound_kernel(cand_ptr, n_lists, lens_ptr, lens_stride, n_cols, bound_
         # fewer keys per pass than the tile holds: the mixed batch's rows of 8-16 of 32 lists)
         resident = (2 * cnt > LB * PK) if PK_RESIDENT else False
         if resident:
-            i = tl.arange(0, LB * PK)
-            key = tl.load(_key_at(base + HEAD, i, PK, slots), mask=i < cnt, other=NO_KEY)
-            lo, top = _tile_range(key, i < cnt)
-            kth = _radix_threshold(base + HEAD, cnt, lo, top, select_k, LB * PK, BITS, PK, slots, True, key)
+            _, lo = _held_kth(base + HEAD, cnt, select_k, LB * PK, BITS, PK, slots)
         else:
             lo, top = _keys_range(base + HEAD, cnt, BLOCK, PK, slots)
-            kth = _radix_threshold(base + HEAD, cnt, lo, top, select_k, BLOCK, BITS, PK, slots, False)
-        lo = (lo.to(tl.uint64, bitcast=True) + kth).to(tl.int64, bitcast=True)
+            lo = _radix_threshold(base + HEAD, cnt, lo, top, select_k, BLOCK, BITS, PK, slots)
     tl.store(bound_ptr + row, lo)
 
 
@@ -604,12 +605,8 @@ def _rank_write(base, cnt, out_row, select_k, SLICE: tl.constexpr, BLOCK: tl.con
 def _held_compact(base, cnt, select_k, TILE: tl.constexpr, BITS: tl.constexpr):
     """``_radix_select``'s min / max, radix passes and compaction of ``cnt <= TILE`` keys
     ``base[0:cnt]``, loaded once: the ``select_k`` best left in front."""
-    i = tl.arange(0, TILE)
-    key = tl.load(base + i, mask=i < cnt, other=NO_KEY)
-    lo, top = _tile_range(key, i < cnt)
-    kth = lo.to(tl.uint64, bitcast=True) + _radix_threshold(base, cnt, lo, top, select_k, TILE, BITS,
-                                                             RESIDENT=True, keys=key)
-    _store_kept(base, key, kth.to(tl.int64, bitcast=True), 0)
+    key, kth = _held_kth(base, cnt, select_k, TILE, BITS)
+    _store_kept(base, key, kth, 0)
     tl.debug_barrier()
 
 
@@ -630,8 +627,8 @@ def _radix_select(base, cnt, out_row, n_vis, select_k, KB: tl.constexpr, BLOCK: 
         _held_compact(base, cnt, select_k, HELD, BITS)
     else:
         lo, top = _keys_range(base, cnt, BLOCK)
-        kth = lo.to(tl.uint64, bitcast=True) + _radix_threshold(base, cnt, lo, top, select_k, BLOCK, BITS)
-        _compact(base, cnt, kth.to(tl.int64, bitcast=True), BLOCK)  # exactly select_k keys left in front
+        kth = _radix_threshold(base, cnt, lo, top, select_k, BLOCK, BITS)
+        _compact(base, cnt, kth, BLOCK)  # exactly select_k keys left in front
     c = tl.arange(0, KB)
     keys = tl.load(base + c, mask=c < select_k, other=NO_KEY)
     emit_selection(out_row, tl.sort(keys, descending=True), n_vis, select_k, KB, P, PB)
