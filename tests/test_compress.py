@@ -162,8 +162,9 @@ def test_nan_and_inf_inputs_same_bytes(backend, device, pool):
     """Non-finite keys and gates: every max is IEEE maxNum (NaN skipped) in the kernels and the
     reference alike: a NaN gate in one slot, a dim whose gates are all NaN, an inf gate
     (inf - inf), a NaN key, +inf and -inf keys in one dim (a partly NaN rotated row), a NaN
-    gate in slot 0 (the max starts at slot 0's logit), alone and with -inf gates after it."""
-    n = 8
+    gate in slot 0 (the max starts at slot 0's logit), alone and with -inf gates after it, and
+    an inf key alone (an all-inf rotated row: infinite ue8m0 scale, codes of ``inf / inf``)."""
+    n = 9
     cache = Cache(num_pages=2, page=32, device=device, seed=17)
     k, s, ape = make_pools(n, pool, device, seed=23)
     s[0, 1, 5] = float("nan")
@@ -174,6 +175,7 @@ def test_nan_and_inf_inputs_same_bytes(backend, device, pool):
     s[5, 0, 0] = float("-inf")
     s[6, 0, 11] = float("nan")
     s[7, 0, 13], s[7, 1:, 13] = float("nan"), float("-inf")
+    k[8, pool // 2, 40] = float("inf")
     loc = torch.arange(n, device=device) * 3
     for fp8 in FP8.values():
         want_buf, _, _ = run_ref(cache, k, s, ape, loc, pool, "plain", fp8)

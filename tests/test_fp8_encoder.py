@@ -268,6 +268,7 @@ def test_query_quant(monkeypatch, encoder_spy, device, encoder, fmt):
     q[2, 5], q[31, 77] = float("nan"), -float("nan")
     q[7] = 0  # all zero: the floor scale, zero codes
     q[8] *= 1e-30  # under the floor
+    q[9, 60], q[10, 3] = float("inf"), -float("inf")  # all-inf rotated rows: infinite scale, inf / inf codes
     _use(monkeypatch, encoder)
     for round_scale in (True, False):
         got_codes, got_scale = fwht128_quant_fp8(q.to(device), fp8_dtype=fp8, round_scale=round_scale)
@@ -279,6 +280,7 @@ def test_query_quant(monkeypatch, encoder_spy, device, encoder, fmt):
         assert bool((codes[[2, 31]] == _nan_codes(fp8)[0]).all())  # +NaN and -NaN: the canonical code
         floor = numerics.quant_scale(torch.tensor([1e-4]), fp8, round_scale)
         assert torch.equal(scale[[2, 7, 31]], floor.expand(3))
+        assert bool(torch.isinf(scale[[9, 10]]).all()) and bool((codes[[9, 10]] == _nan_codes(fp8)[0]).all())
 
 
 # --------------------------------------------------------------------------- scorers (decoders)
