@@ -672,6 +672,8 @@ def test_capacity_and_misuse(backend):
     err(ValueError, "decode", lambda: c.accept(["A"], [0]), "accept after a prefill")
     err(ValueError, "decode", lambda: c.accept(["B", "A"], [1, 0]), "accept after a prefill (second id)")
     err(ValueError, "repeat", lambda: c.accept(["B", "B"], [2, 1]), "accept, repeated id")
+    for bad in ([1.5], [2.0], [float("nan")], [True], torch.tensor([1.5]), torch.tensor([[1]])):
+        err((TypeError, ValueError), "num_accepted", lambda: c.accept(["B"], bad), f"accept {bad!r}")
     # repeated ids in a step
     err(ValueError, "repeat", lambda: c.prefill(["B", "B"], [k1, k1], [g1, g1]), "prefill, repeated id")
     err(ValueError, "repeat", lambda: c.decode(["B", "B"], [k1, k1], [g1, g1]), "decode, repeated id")
@@ -701,6 +703,13 @@ def test_capacity_and_misuse(backend):
     for cu in ([0, 3], [0, 3, 4], [1, 3, 5], [0, 4, 3, 5], [0, 3, 6], [0, 6, 5],
                torch.tensor([0, 2, 6], dtype=torch.int32)):
         err(ValueError, "cu_seqlens", lambda: c.prefill(["B", "A"], kp, gp, cu_seqlens=cu), f"cu_seqlens {cu}")
+    for cu in ([0, 3.5, 5], torch.tensor([0.0, 3.0, 5.0])):  # no truncation of fractional offsets
+        err(TypeError, "cu_seqlens", lambda: c.prefill(["B", "A"], kp, gp, cu_seqlens=cu), f"cu_seqlens {cu}")
+    # pool_slot: only pools of the request's allocated pages
+    n_slots = len(h.pages["A"]) * page
+    for bad in (-1, n_slots):
+        err(ValueError, "pool", lambda: c.pool_slot("A", bad), f"pool_slot {bad}")
+    err(TypeError, "pool", lambda: c.pool_slot("A", 1.0), "pool_slot 1.0")
     # freed ids
     h.free("B")
     for fn in (lambda: c.decode(["B"], [k1], [g1]), lambda: c.accept(["B"], [0]), lambda: c.free("B"),
@@ -728,6 +737,17 @@ def test_constructor_arguments(name, value):
     kwargs[name] = value
     with pytest.raises(ValueError, match=name):
         KPoolCache(**kwargs)
+
+
+def test_constructor_device_and_flags():
+    """A device kpool does not run on, or a non-bool ``round_scale``, fails at construction."""
+    kwargs = dict(num_pages=2, page_size=16, pool_size=4, max_requests=1, ape=torch.zeros(4, 128))
+    with pytest.raises(ValueError, match="device is on meta"):
+        KPoolCache(**kwargs, device="meta")
+    with pytest.raises(ValueError, match="ape is on meta"):
+        KPoolCache(**dict(kwargs, ape=torch.zeros(4, 128, device="meta")), device="cpu")
+    with pytest.raises(TypeError, match="round_scale"):
+        KPoolCache(**kwargs, device="cpu", round_scale="no")
 
 
 # --- 4. metadata formulas on a hand-computed example --------------------------------------

@@ -418,10 +418,13 @@ def test_validation_errors(backend, device, case):
         assert torch.equal(args["kv_cache"], buf_before)
 
 
-def test_slot_count_limit():
+def test_slot_count_limit(monkeypatch):
     """The writers address slots with 32-bit arithmetic: a cache of more than 2^31 slots is
-    rejected by every entry point's cache check and by ``KPoolCache`` before it allocates."""
+    rejected by every entry point's cache check and by ``KPoolCache`` before it allocates
+    (checked on meta tensors, which the entry points otherwise reject: nothing to allocate)."""
+    from kpool import _checks
     from kpool._checks import MAX_SLOTS, check_kv_cache
+    monkeypatch.setattr(_checks, "DEVICE_TYPES", _checks.DEVICE_TYPES + ("meta",))
     meta = torch.device("meta")
     check_kv_cache(torch.empty((MAX_SLOTS // 64, 64, 132), dtype=torch.uint8, device=meta), "plain", meta)
     with pytest.raises(ValueError, match="kv_cache"):

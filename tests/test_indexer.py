@@ -506,8 +506,9 @@ def test_score_and_select_validation(monkeypatch, backend):
         score_and_select(q[:, :, :8], w[:, :, :8], kv, pt, pos, pool_size=4, index_topk=16)
     with pytest.raises(ValueError, match="pool_size must be a positive int"):
         score_and_select(q, w, kv, pt, pos, pool_size=0, index_topk=16)
-    with pytest.raises(ValueError, match="index_topk must be an int >= pool_size = 4, got 2"):
-        score_and_select(q, w, kv, pt, pos, pool_size=4, index_topk=2)
+    for bad in (2, 10, 16.0):
+        with pytest.raises(ValueError, match=f"index_topk must be a positive multiple of pool_size = 4, got {bad}"):
+            score_and_select(q, w, kv, pt, pos, pool_size=4, index_topk=bad)
 
 
 # --------------------------------------------------------------------------------------------
@@ -538,8 +539,9 @@ def test_topk_indices_validation(monkeypatch):
         c.topk_indices(["a", "zz"], q, w)
     with pytest.raises(ValueError, match="repeat"):
         c.topk_indices(["a", "a"], q, w)
-    with pytest.raises(ValueError, match="index_topk"):
-        c.topk_indices(["a", "b"], q, w, index_topk=3)
+    for bad in (3, 10):  # below one pool; not whole pools
+        with pytest.raises(ValueError, match="index_topk must be a positive multiple"):
+            c.topk_indices(["a", "b"], q, w, index_topk=bad)
     with pytest.raises(ValueError, match="width"):
         c.topk_indices(["a", "b"], q, w, index_topk=16, width=18)
     empty = c.topk_indices([], q[:0], w[:0], index_topk=16)
@@ -724,3 +726,22 @@ def test_indexer_end_to_end_prefill_and_decode(backend):
     with pytest.raises(ValueError, match="pool_size"):
         mod(KPoolCache(2, page_size=8, pool_size=16, max_requests=1, ape=torch.zeros(16, D), device=DEVICE),
             ["x"], hd[:1], qd[:1], mode="decode")
+    # a bad width is rejected before the step is written: buffers and request state unchanged
+    kv, tail, length = cache.kv_cache.clone(), cache.tail.clone(), cache.length("x")
+    for width in (5, 32.0):
+        with pytest.raises(ValueError, match="width"):
+            mod(cache, ["y", "x"], hd, qd, mode="decode", width=width)
+        with pytest.raises(ValueError, match="width"):
+            mod(cache, ["z"], h[:9], qr[:9], mode="prefill", width=width)
+    assert torch.equal(cache.kv_cache, kv) and torch.equal(cache.tail, tail)
+    assert cache.length("x") == length and "z" not in cache.requests
+
+
+def test_indexer_rejects_unsupported_geometry():
+    """Head counts the scorers do not have and an ``index_topk`` that is not whole pools fail
+    at construction, not at the first step after the cache was written."""
+    with pytest.raises(ValueError, match=r"n_heads must have H in \(16, 32, 64\)"):
+        KPoolIndexer(**dict(SMALL, n_heads=8), device="cpu")
+    for bad in (10, 2):
+        with pytest.raises(ValueError, match=f"index_topk must be a positive multiple of pool_size = 4, got {bad}"):
+            KPoolIndexer(**dict(SMALL, index_topk=bad), device="cpu")

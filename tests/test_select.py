@@ -311,6 +311,13 @@ def test_history_group_budget_for_topk():
 # --- validation --------------------------------------------------------------------------------
 
 
+def _with(t, value):
+    """A copy of ``t`` holding ``value`` at its first element."""
+    t = t.clone()
+    t.view(-1)[0] = value
+    return t
+
+
 def _bad_calls():
     i32 = torch.int32
     ids = torch.zeros((3, 4), dtype=i32)
@@ -344,6 +351,14 @@ def _bad_calls():
         (A, (hist, seq, seq[:1], 4), {}, ValueError, "pool_lens"),
         (A, (hist, seq[:, None], seq, 4), {}, ValueError, "seq_lens"),
         (A, (hist, seq, seq, 4), {"page_table": pt, "topk_offsets": seq}, ValueError, "topk_offsets"),
+        # int32 outputs: token ids (pool * P + o, + offsets) and mapped ids past 2^31 - 1 are rejected, not wrapped
+        (E, (_with(ids.long(), 2**29), seq, 4), {}, ValueError, "pool_ids holds 536870912"),
+        (E, (ids, _with(seq.long(), 2**31), 4), {}, ValueError, "seq_lens holds 2147483648"),
+        (E, (ids, seq, 4), {"page_table": _with(pt.long(), 2**31)}, ValueError, "page_table holds"),
+        (X, (_with(ids.long(), 2**31), ok, 16, 4), {}, ValueError, "group_ids"),
+        (X, (ids, ok, 16, 4), {"topk_offsets": _with(seq.long(), 2**31 - 3)}, ValueError, "topk_offsets maps"),
+        (A, (hist, _with(seq.long(), 2**31), seq, 4), {}, ValueError, "seq_lens"),
+        (A, (hist, seq + 5, seq, 4), {"topk_offsets": _with(seq.long(), 2**31 - 4)}, ValueError, "topk_offsets"),
         (sel.build_pooled_page_table, (pt[:, :62], 4), {}, ValueError, "page_table"),
         (sel.build_pooled_page_table, (pt.float(), 4), {}, TypeError, "page_table"),
         (sel.compute_pooled_write_locs, (pt, seq, 4), {}, ValueError, "page_table_64"),
@@ -357,6 +372,18 @@ def test_validation_errors_name_the_argument(backend, case):
     fn, args, kwargs, exc, match = _bad_calls()[case]
     with pytest.raises(exc, match=match):
         fn(*args, **kwargs)
+
+
+def test_int32_range_edges(backend, device):
+    """The largest pool id, length and offset whose token ids fit int32 are accepted, and
+    invalid pools (``group_valid`` False) may hold any id."""
+    top = 2**31 // 4 - 1
+    rows = sel.expand_pools_and_append_tail(torch.tensor([[top]], device=device), torch.tensor([2**31 - 1], device=device), 4)
+    assert rows.tolist() == [[4 * top + o for o in range(4)] + [2**31 - 4, 2**31 - 3, 2**31 - 2]]
+    out = sel.expand_pools_to_tokens(torch.tensor([[1, 2**40]], device=device),
+                                     torch.tensor([[True, False]], device=device), 8, 4,
+                                     topk_offsets=torch.tensor([2**31 - 8], device=device))
+    assert out.tolist() == [[2**31 - 4, 2**31 - 3, 2**31 - 2, 2**31 - 1, -1, -1, -1, -1]]
 
 
 def test_validation_device_mismatch(backend):

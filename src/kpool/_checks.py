@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import operator
 import os
 
 import torch
@@ -11,6 +12,7 @@ import torch
 from .layout import ENTRY_BYTES, HEAD_DIM, TILE
 
 INT_DTYPES = (torch.int32, torch.int64)
+DEVICE_TYPES = ("cpu", "cuda")  # torch device types kpool runs on ("cuda" includes ROCm builds)
 
 
 def check_tensor(name: str, t, *, dtype=None, ndim: int | None = None, shape=None, device=None,
@@ -22,6 +24,7 @@ def check_tensor(name: str, t, *, dtype=None, ndim: int | None = None, shape=Non
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check_device_type(name, t.device)
     if dtype is not None:
         allowed = dtype if isinstance(dtype, tuple) else (dtype,)
         if t.dtype not in allowed:
@@ -39,6 +42,12 @@ def check_tensor(name: str, t, *, dtype=None, ndim: int | None = None, shape=Non
         raise ValueError(f"{name} must have a unit inner stride, got strides {t.stride()}")
 
 
+def check_device_type(name: str, device) -> None:
+    """``device`` (a tensor's, or the one ``name`` asks for) must be one kpool runs on."""
+    if torch.device(device).type not in DEVICE_TYPES:
+        raise ValueError(f"{name} is on {device}: kpool runs on {' and '.join(DEVICE_TYPES)} (ROCm included) tensors")
+
+
 def same_device(a: torch.device, b: torch.device) -> bool:
     """Equal devices, a missing index meaning the current device of that type."""
     if a.type != b.type:
@@ -47,6 +56,26 @@ def same_device(a: torch.device, b: torch.device) -> bool:
         return (a.index if a.index is not None else torch.cuda.current_device()) == \
             (b.index if b.index is not None else torch.cuda.current_device())
     return True
+
+
+def int_list(name: str, values) -> list[int]:
+    """Host ints of ``values``: a sequence of integers or a 1-D integer tensor (read back once);
+    a float, bool or NaN entry raises naming ``name`` instead of being truncated."""
+    if torch.is_tensor(values):
+        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
+            raise TypeError(f"{name} must hold integers, got a {values.dtype} tensor")
+        if values.ndim != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {list(values.shape)}")
+        return values.tolist()
+    out = []
+    for v in values:
+        if isinstance(v, bool) or (torch.is_tensor(v) and v.dtype == torch.bool):
+            raise TypeError(f"{name} must hold integers, got {v!r}")
+        try:
+            out.append(operator.index(v))
+        except TypeError:
+            raise TypeError(f"{name} must hold integers, got {v!r}") from None
+    return out
 
 
 def check_positive_int(name: str, value) -> None:
@@ -99,6 +128,14 @@ def check_tail(tail, pool_size: int, device) -> int:
                          f"pool_size = {pool_size}")
     if tail.stride(3) != 1 or tail.stride(2) != HEAD_DIM:
         raise ValueError(f"tail_kv_cache rows must be dense (strides [*, *, 128, 1]), got {tail.stride()}")
+    # blocks and key / gate halves: each a RING x 128 tile, none may share memory with another
+    outer = sorted((tail.stride(i), tail.shape[i]) for i in (0, 1) if tail.shape[i] > 1)
+    span = ring * HEAD_DIM
+    for stride, n in outer:
+        if stride < span:
+            raise ValueError(f"tail_kv_cache strides {tail.stride()} make its num_blocks x 2 rings overlap (each "
+                             f"RING x 128 = {ring * HEAD_DIM} elements)")
+        span = stride * (n - 1) + span
     return ring
 
 

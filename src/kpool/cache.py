@@ -27,7 +27,8 @@ import torch
 
 from . import reference
 from ._backend import backend_for
-from ._checks import check_positive_int, check_slot_count, check_tensor, own_indices
+from ._checks import (check_device_type, check_positive_int, check_slot_count, check_tensor, int_list,
+                      own_indices)
 from .layout import (ENTRY_BYTES, HEAD_DIM, read_entries, resolve_fp8_dtype, resolve_layout, ring_size)
 from .ops.decode import kpool_decode_update_and_maybe_write_cache_batched
 from .ops.logits import check_heads
@@ -102,6 +103,7 @@ class KPoolCache:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
+        check_device_type("device", self.device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         for name, value in (("num_pages", num_pages), ("page_size", page_size), ("pool_size", pool_size),
@@ -115,6 +117,8 @@ class KPoolCache:
             raise ValueError(f"layout='preshuffle' needs page_size % 16 == 0, got {page_size}")
         self.fp8_dtype = resolve_fp8_dtype(fp8_dtype, self.device)
         check_tensor("ape", ape, dtype=torch.float32, shape=(pool_size, HEAD_DIM))
+        if not isinstance(round_scale, bool):
+            raise TypeError(f"round_scale must be a bool, got {type(round_scale).__name__}")
         self.pool_size, self.page_size, self.max_spec_tokens = pool_size, page_size, max_spec_tokens
         self.round_scale = round_scale
         self.ring = ring_size(pool_size, max_spec_tokens)
@@ -142,7 +146,12 @@ class KPoolCache:
 
     def pool_slot(self, request_id, pool: int) -> int:
         """Flat cache slot of a request's pool ``pool`` (its page must be allocated)."""
-        return int(self._pool_locs(self._get(request_id), torch.tensor([pool]))[0])
+        req = self._get(request_id)
+        (pool,) = int_list("pool", [pool])
+        if not 0 <= pool < len(req.pages) * self.page_size:
+            raise ValueError(f"pool {pool} of request {request_id!r} is outside its allocated pages "
+                             f"(pools 0..{len(req.pages) * self.page_size - 1})")
+        return int(self._pool_locs(req, torch.tensor([pool]))[0])
 
     def _pool_locs(self, req: _Request, pools: torch.Tensor) -> torch.Tensor:
         """Flat cache slots (int64, CPU) of pool indices ``pools`` (int64, CPU) of ``req``."""
@@ -182,7 +191,7 @@ class KPoolCache:
 
     def accept(self, request_ids, num_accepted) -> None:
         """Commit the first ``num_accepted[i]`` tokens of each request's last decode step; roll back the rest."""
-        num_accepted = [int(n) for n in (num_accepted.tolist() if torch.is_tensor(num_accepted) else num_accepted)]
+        num_accepted = int_list("num_accepted", num_accepted)
         if len(num_accepted) != len(request_ids):
             raise ValueError(f"num_accepted has {len(num_accepted)} entries for {len(request_ids)} request_ids")
         if len(set(request_ids)) != len(request_ids):
@@ -343,13 +352,8 @@ class KPoolCache:
             raise ValueError("request_ids must not repeat in topk_indices")
         reqs = [self._get(r) for r in request_ids]
         p = self.pool_size
-        _check_index_topk(index_topk, p)
+        width = selection_width(index_topk, width, p)
         select_k = index_topk // p
-        natural = index_topk + p - 1
-        if width is None:
-            width = natural
-        elif not isinstance(width, int) or isinstance(width, bool) or width < natural:
-            raise ValueError(f"width must be an int >= index_topk + pool_size - 1 = {natural}, got {width!r}")
         counts = [r.step_len for r in reqs]
         total = sum(counts)
         check_tensor("q", q, dtype=torch.bfloat16, ndim=3, device=self.device)
@@ -461,7 +465,7 @@ class KPoolCache:
         if keys.stride(0) != gates.stride(0):
             gates = gates.contiguous() if gates.stride(0) == HEAD_DIM else gates.clone()
             keys = keys.contiguous()
-        cu = [int(c) for c in (cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens)]
+        cu = int_list("cu_seqlens", cu_seqlens)
         if len(cu) != len(request_ids) + 1 or cu[0] != 0 or cu[-1] != keys.shape[0] or any(
                 b < a for a, b in zip(cu, cu[1:])):
             raise ValueError(f"cu_seqlens must be non-decreasing offsets [0, ..., {keys.shape[0]}] with "
@@ -581,10 +585,24 @@ def _put_rows(out, rows, idx) -> None:
         out.index_copy_(0, rows, idx)
 
 
+def selection_width(index_topk, width, pool_size: int) -> int:
+    """Validate ``index_topk`` and the requested row ``width`` of ``topk_indices``; returns the
+    width (default ``index_topk + P - 1``)."""
+    _check_index_topk(index_topk, pool_size)
+    natural = index_topk + pool_size - 1
+    if width is None:
+        return natural
+    if not isinstance(width, int) or isinstance(width, bool) or width < natural:
+        raise ValueError(f"width must be an int >= index_topk + pool_size - 1 = {natural}, got {width!r}")
+    return width
+
+
 def _check_index_topk(index_topk, pool_size: int) -> None:
-    """``index_topk`` must be an int of at least one pool (``select_k = index_topk // P >= 1``)."""
-    if not isinstance(index_topk, int) or isinstance(index_topk, bool) or index_topk < pool_size:
-        raise ValueError(f"index_topk must be an int >= pool_size = {pool_size}, got {index_topk!r}")
+    """``index_topk`` must be a positive int multiple of P (``select_k = index_topk // P >= 1``
+    whole pools, as ``history_group_budget_for_topk``)."""
+    if not isinstance(index_topk, int) or isinstance(index_topk, bool) or index_topk < pool_size \
+            or index_topk % pool_size:
+        raise ValueError(f"index_topk must be a positive multiple of pool_size = {pool_size}, got {index_topk!r}")
 
 
 def score_and_select_quantized(q8, w, kv_cache, page_table, positions, *, pool_size, select_k, width=None,

@@ -26,8 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._checks import check_positive_int, check_tensor
-from .cache import KPoolCache
+from .cache import KPoolCache, selection_width
 from .layout import HEAD_DIM
+from .ops.logits import check_heads
 
 _NAMES = ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight",
           "index_kpool_compress_gate", "index_kpool_compress_ape")
@@ -54,8 +55,8 @@ class KPoolIndexer(nn.Module):
         for name, value in (("hidden_size", hidden_size), ("q_lora_rank", q_lora_rank), ("n_heads", n_heads),
                             ("pool_size", pool_size), ("index_topk", index_topk)):
             check_positive_int(name, value)
-        if index_topk < pool_size:
-            raise ValueError(f"index_topk ({index_topk}) must be >= pool_size ({pool_size})")
+        check_heads("n_heads", n_heads)
+        selection_width(index_topk, None, pool_size)
         self.hidden_size, self.q_lora_rank, self.n_heads = hidden_size, q_lora_rank, n_heads
         self.pool_size, self.index_topk = pool_size, index_topk
         kw = {"dtype": dtype, "device": device}
@@ -161,6 +162,7 @@ class KPoolIndexer(nn.Module):
         if q_resid.shape[:-1] != hidden_states.shape[:-1] or q_resid.shape[-1] != self.q_lora_rank:
             raise ValueError(f"q_resid must have shape {list(hidden_states.shape[:-1]) + [self.q_lora_rank]}, "
                              f"got {list(q_resid.shape)}")
+        selection_width(self.index_topk, width, self.pool_size)  # before anything is written
         ape = self.index_kpool_compress_ape.detach()
         if cache.ape.data_ptr() != ape.data_ptr():
             cache.ape.copy_(ape)  # the cache pools with this module's (possibly reloaded) ape

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from .. import reference
 from .._backend import backend_for, pdl_launch
-from .._checks import INT_DTYPES, check_index_range, check_pool_size, check_tensor
+from .._checks import INT_DTYPES, check_index_range, check_pool_size, check_tensor, range_checks_enabled
 from . import _pdl
 
 # Mapping modes of ``_map_tokens``.
@@ -26,6 +26,7 @@ ROWS_PER_PROG = 2   # rows per program (H200 sweep: 2 rows x 2048-int tiles, 4 w
 EXPAND_WARPS = 4    # warps of the fused expand kernel
 TAIL_MAX_BLOCK = 512
 FLAT_BLOCK = 1024   # elements per program of the 1-D kernels
+MAX_TOKENS = 2**31  # token ids (and mapped ids) are int32: every one written must be below this
 
 
 # ----------------------------------------------------------------------------------------------
@@ -199,12 +200,32 @@ def natural_width(n_pools: int, pool_size: int) -> int:
     return n_pools * pool_size + pool_size - 1
 
 
+def check_token_range(name: str, ids, pool_size: int, valid=None, topk_offsets=None) -> None:
+    """The int32 token ids of pools ``ids`` (negative = none; where ``valid``, if given) plus
+    their row's ``topk_offsets`` must fit int32: ``pool * P + o (+ offset) < 2^31`` (a sync;
+    skipped where ``range_checks_enabled`` says so)."""
+    if not (ids.numel() and range_checks_enabled()):
+        return
+    live = ids if valid is None else torch.where(valid, ids, -1)
+    check_index_range(name, live, MAX_TOKENS // pool_size, "pool ids whose token ids fit int32")
+    _check_offset_range(int(live.max()) * pool_size + pool_size - 1, topk_offsets)
+
+
+def _check_offset_range(top_token: int, topk_offsets) -> None:
+    """Token ids up to ``top_token`` plus ``topk_offsets`` (if given) must stay below 2^31."""
+    if topk_offsets is not None and topk_offsets.numel():
+        top = top_token + int(topk_offsets.max())
+        if top >= MAX_TOKENS:
+            raise ValueError(f"topk_offsets maps token ids up to {top}, past the int32 output (< 2^31)")
+
+
 def check_expansion(seq_lens, pool_size, width, rows: int, n_pools: int, device) -> int:
     """Validate the ``seq_lens [rows]``, ``pool_size`` and ``width`` of an expansion of ``n_pools``
     pool ids per row (``expand_pools_and_append_tail``); returns ``width`` (None: the
     ``natural_width``)."""
     check_pool_size(pool_size)
     check_tensor("seq_lens", seq_lens, dtype=INT_DTYPES, shape=(rows,), device=device)
+    check_index_range("seq_lens", seq_lens, MAX_TOKENS, "int32 token ids")
     natural = natural_width(n_pools, pool_size)
     if width is None:
         return natural
@@ -223,6 +244,7 @@ def _check_mapping(rows, device, page_table, topk_offsets):
         if page_table.shape[0] < rows or page_table.shape[1] < 1:
             raise ValueError(f"page_table must have shape [>= {rows}, >= 1] (one row per output row), "
                              f"got {list(page_table.shape)}")
+        check_index_range("page_table", page_table, MAX_TOKENS, "int32 output ids")
     if topk_offsets is not None:
         check_tensor("topk_offsets", topk_offsets, dtype=INT_DTYPES, device=device)
         if tuple(topk_offsets.shape) not in ((rows,), (rows, 1)):
@@ -292,6 +314,7 @@ def expand_pools_and_append_tail(pool_ids, seq_lens, pool_size, *, width=None, p
     rows, n_pools = pool_ids.shape
     width = check_expansion(seq_lens, pool_size, width, rows, n_pools, device)
     _check_mapping(rows, device, page_table, None)
+    check_token_range("pool_ids", pool_ids, pool_size)
     if backend_for(device) == "torch":
         return reference.expand_pools_and_append_tail(pool_ids, seq_lens, pool_size, width=width,
                                                       page_table=page_table)
@@ -327,6 +350,7 @@ def expand_pools_to_tokens(group_ids, group_valid, topk, pool_size, page_table=N
     check_tensor("group_valid", group_valid, dtype=torch.bool, shape=tuple(group_ids.shape), device=device)
     rows = group_ids.shape[0]
     _check_mapping(rows, device, page_table, topk_offsets)
+    check_token_range("group_ids", group_ids, pool_size, group_valid, topk_offsets)
     if backend_for(device) == "torch":
         return reference.expand_pools_to_tokens(group_ids, group_valid, topk, pool_size, page_table, topk_offsets)
     out = torch.empty((rows, topk), dtype=torch.int32, device=device)
@@ -357,7 +381,10 @@ def append_tail_to_topk(topk_result, seq_lens, pool_lens, pool_size, page_table=
     rows, n_cols = topk_result.shape
     check_tensor("seq_lens", seq_lens, dtype=INT_DTYPES, shape=(rows,), device=device)
     check_tensor("pool_lens", pool_lens, dtype=INT_DTYPES, shape=(rows,), device=device)
+    check_index_range("seq_lens", seq_lens, MAX_TOKENS, "int32 token ids")
     _check_mapping(rows, device, page_table, topk_offsets)
+    if rows and range_checks_enabled():
+        _check_offset_range(int(seq_lens.max()) - 1, topk_offsets)
     if pool_size == 1:
         return topk_result
     if backend_for(device) == "torch":
