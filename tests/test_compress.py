@@ -402,6 +402,7 @@ CASES = {
                          "write_mask"),
     "layout": (lambda a, dev: a.update(layout="tiled"), "layout"),
     "fp8_dtype": (lambda a, dev: a.update(fp8_dtype=torch.float16), "fp8_dtype"),
+    "round_scale not a bool": (lambda a, dev: a.update(round_scale="no"), "round_scale"),
     "nothing to do": (lambda a, dev: a.update(write_cache=False), "write_cache"),
 }
 

@@ -78,6 +78,12 @@ def int_list(name: str, values) -> list[int]:
     return out
 
 
+def check_bool(name: str, value) -> None:
+    """``value`` must be a bool (a truthy string or int is a mistake, not a flag)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
 def check_positive_int(name: str, value) -> None:
     """``value`` must be an int >= 1 (a bool is not an int here)."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:

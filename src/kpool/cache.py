@@ -27,7 +27,7 @@ import torch
 
 from . import reference
 from ._backend import backend_for
-from ._checks import (check_device_type, check_positive_int, check_slot_count, check_tensor, int_list,
+from ._checks import (check_bool, check_device_type, check_positive_int, check_slot_count, check_tensor, int_list,
                       own_indices)
 from .layout import (ENTRY_BYTES, HEAD_DIM, read_entries, resolve_fp8_dtype, resolve_layout, ring_size)
 from .ops.decode import kpool_decode_update_and_maybe_write_cache_batched
@@ -117,8 +117,7 @@ class KPoolCache:
             raise ValueError(f"layout='preshuffle' needs page_size % 16 == 0, got {page_size}")
         self.fp8_dtype = resolve_fp8_dtype(fp8_dtype, self.device)
         check_tensor("ape", ape, dtype=torch.float32, shape=(pool_size, HEAD_DIM))
-        if not isinstance(round_scale, bool):
-            raise TypeError(f"round_scale must be a bool, got {type(round_scale).__name__}")
+        check_bool("round_scale", round_scale)
         self.pool_size, self.page_size, self.max_spec_tokens = pool_size, page_size, max_spec_tokens
         self.round_scale = round_scale
         self.ring = ring_size(pool_size, max_spec_tokens)

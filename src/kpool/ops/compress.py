@@ -13,8 +13,8 @@ import triton.language as tl
 
 from .. import reference
 from .._backend import backend_for, interpreting, native_fp8, pdl_launch
-from .._checks import (INT_DTYPES, check_head_dim, check_index_range, check_kv_cache, check_pool_size,
-                       check_tensor)
+from .._checks import (INT_DTYPES, check_bool, check_head_dim, check_index_range, check_kv_cache,
+                       check_pool_size, check_tensor)
 from ..layout import HEAD_DIM, fp8_max, resolve_fp8_dtype, resolve_layout
 from . import _jit, _pdl
 
@@ -108,6 +108,7 @@ def kpool_compress_and_write_cache(kv_cache, slot_k, slot_score, ape, loc, pool_
     fp8_dtype : ``torch.float8_e4m3fn`` or ``torch.float8_e4m3fnuz`` (default from the platform).
     """
     check_head_dim(head_dim)
+    check_bool("round_scale", round_scale)
     check_pool_size(pool_size)
     check_tensor("slot_k", slot_k, dtype=torch.bfloat16, ndim=3, shape=(None, pool_size, HEAD_DIM),
                  inner_contiguous=True)

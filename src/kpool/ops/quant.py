@@ -14,7 +14,7 @@ import triton.language as tl
 
 from .. import reference
 from .._backend import backend_for, native_fp8, pdl_launch
-from .._checks import INT_DTYPES, check_pool_size, check_tensor
+from .._checks import INT_DTYPES, check_bool, check_pool_size, check_tensor
 from ..layout import HEAD_DIM, fp8_max, resolve_fp8_dtype
 from . import _jit, _pdl
 from .select import store_visible_counts, visible_counts
@@ -144,8 +144,7 @@ def _quantize(q, fp8_dtype, round_scale, weights=None, positions=None, counts=No
     """Body of ``fwht128_quant_fp8`` / ``quantize_queries`` (``q`` already checked):
     ``(q_fp8 [..., 128], q_scale [..., 1], folded weights [...] or None)``; on the Triton
     backend with ``positions``, also the visible counts into ``counts`` (``launch_fwht_quant``)."""
-    if not isinstance(round_scale, bool):
-        raise TypeError(f"round_scale must be a bool, got {type(round_scale).__name__}")
+    check_bool("round_scale", round_scale)
     device = q.device
     fp8_dtype = resolve_fp8_dtype(fp8_dtype, device)
     lead = tuple(q.shape[:-1])
