@@ -6,16 +6,19 @@ slots ``block*RING + pos % RING``; ``slot_mapping`` holds a random free cache sl
 tokens that complete a pool (``(pos + 1) % P == 0``) and -1 elsewhere (int32 mappings, as
 the seed documents).
 
-* ``ours`` / ``seed``: RING == P (the seed's kernel requires ``tail.shape[2] == P``).
+* ``ours``: the smallest ring ours accepts for the step, ``layout.ring_size(P, next_n - 1)``
+  (``RING >= P + next_n - 1`` keeps the entries a redo after rejected drafts needs): RING = P
+  at next_n = 1, 2P at next_n = 2 and 4 (P = 4 and 16).
+* ``seed``: RING = P at every next_n (the seed's kernel requires ``tail.shape[2] == P``).
 * ``ours_ring2P``: ours with RING = 2P (room for speculative drafts); compared with the
   seed at RING = P.
 * ``torch``: ``kpool.reference.decode_update`` is a per-token Python loop with host syncs;
-  it is timed at batch 1 only (eager events), and not graph-captured.
+  it is timed at batch 1 only (eager events), and not graph-captured. Same ring as ``ours``.
 * ``movement``: a reference point, not an implementation: the step's data movement without
   any pool work (each token's key and gate rows and its three mappings read, the rows
   stored at their ring slots; no completion, no cache write), one program per request.
   What ``ours`` costs above it is the completions (ring reads, pooling, encode, entry
-  writes). Its bytes are the ones it moves.
+  writes). Same ring as ``ours``; its bytes are the ones it moves.
 
 Bytes: per token its key + gate read (512 B), three int32 mappings, its ring stash
 written (512 B); per completing token one 132-byte entry written plus the ring entries
@@ -28,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kpool.layout import ring_size
 from kpool.ops import _pdl
 
 OP = "decode"
@@ -141,7 +145,7 @@ def bench(ctx, case, impl):
     import kpool
     from kpool import reference
     p, b, nn = case["P"], case["batch"], case["next_n"]
-    ring = 2 * p if impl == "ours_ring2P" else p
+    ring = {"ours_ring2P": 2 * p, "seed": p}.get(impl, ring_size(p, nn - 1))
     if impl in ("ours", "ours_ring2P"):
         def fn(*a):
             kpool.kpool_decode_update_and_maybe_write_cache_batched(*a, p, layout="plain", fp8_dtype=FP8)

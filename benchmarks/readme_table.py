@@ -98,9 +98,14 @@ def decode_table(doc) -> list[str]:
     idx = _index(doc)
     batches = sorted({r["params"]["batch"] for r in recs})
     rows = sorted({(r["params"]["P"], r["params"]["next_n"]) for r in recs})
-    lines = ["Decode / verify update under CUDA-graph replay, µs per call, **ours / seed** (seed at RING = P):", "",
-             "| P | next_n | impl | " + " | ".join(f"B={b}" for b in batches) + " |",
-             "|---|---|---|" + "---:|" * len(batches)]
+    def ring(impl, p, nn):  # the ring the row's records ran with (bench_decode records it)
+        rings = {idx.get(("decode", f"P={p} B={b} next_n={nn}", impl), {}).get("ring") for b in batches} - {None}
+        return "/".join(str(r) for r in sorted(rings)) or "—"
+
+    lines = ["Decode / verify update under CUDA-graph replay, µs per call, **ours / seed** (the seed at RING = P, "
+             "which it requires; RING: ours's ring):", "",
+             "| P | next_n | impl | RING | " + " | ".join(f"B={b}" for b in batches) + " |",
+             "|---|---|---|---:|" + "---:|" * len(batches)]
     for impl in ("ours", "ours_ring2P"):
         for p, nn in rows:
             cells = []
@@ -111,11 +116,13 @@ def decode_table(doc) -> list[str]:
                 ok = [t["ok"] for t in (mine or {}).get("targets", [])]
                 mark = " ❌" if False in ok else ""
                 cells.append(f"{m} / {s}{mark}")
-            lines.append(f"| {p} | {nn} | {IMPL_NAMES.get(impl, impl)} | " + " | ".join(cells) + " |")
+            lines.append(f"| {p} | {nn} | {IMPL_NAMES.get(impl, impl)} | {ring(impl, p, nn)} | " + " | ".join(cells)
+                         + " |")
     if any(r["impl"] == "movement" for r in recs):  # the step's data movement alone (bench_decode.movement)
         for p, nn in rows:
             cells = [_cell_us(idx.get(("decode", f"P={p} B={b} next_n={nn}", "movement"))) for b in batches]
-            lines.append(f"| {p} | {nn} | {IMPL_NAMES['movement']} | " + " | ".join(cells) + " |")
+            lines.append(f"| {p} | {nn} | {IMPL_NAMES['movement']} | {ring('movement', p, nn)} | " + " | ".join(cells)
+                         + " |")
         lines += ["", "*data movement only*: the step's rows and mappings read and the rows stored at their ring "
                       "slots, with no pool work (`bench_decode.movement`): what ours costs above it is the "
                       "completions."]

@@ -66,6 +66,13 @@ def view_tail(base, num_blocks, ring, block_pad=0, head_pad=0):
     return torch.as_strided(base, (num_blocks, 2, ring, HEAD_DIM), (block, head, HEAD_DIM, 1), block)
 
 
+def restride(t, dim, stride):
+    """A view of ``t`` over its own storage with ``stride(dim)`` replaced (e.g. overlapping rows)."""
+    strides = list(t.stride())
+    strides[dim] = stride
+    return torch.as_strided(t, t.shape, strides, t.storage_offset())
+
+
 def strided_copy(t, dim=-1):
     """Same values, stride 2 along ``dim`` (non-unit inner stride when dim=-1)."""
     shape = list(t.shape)

@@ -1,4 +1,4 @@
-"""Benchmark harness logic on the CPU: dry run of two ops, derived figures, README table, plot data.
+"""Benchmark harness logic on the CPU: dry run of three ops, derived figures, README table, plot data.
 
 Timings on the CPU mean nothing; these tests check the plumbing: records, error isolation
 (the seed is pointed at a missing file), exactness checks, JSON contents, targets, the
@@ -13,6 +13,7 @@ import json
 import pytest
 
 from kpool import bench
+from kpool.layout import ring_size
 
 BENCH_DIR = bench.find_bench_dir()
 
@@ -24,13 +25,16 @@ def _load(name):
     return mod
 
 
+DRY_OPS = ["expand", "seed_tail", "decode"]
+
+
 @pytest.fixture(scope="module")
 def dry_doc(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("KPOOL_BACKEND", "torch")  # fast: our ops through the torch backend
     out = tmp_path_factory.mktemp("bench") / "dry.json"
     try:
-        doc = bench.run_benchmarks(ops=["expand", "seed_tail"], out_json=str(out), dry_run=True,
+        doc = bench.run_benchmarks(ops=DRY_OPS, out_json=str(out), dry_run=True,
                                    seed_path=str(out.parent / "missing_seed.py"), device="cpu", verbose=False)
     finally:
         mp.undo()
@@ -48,7 +52,7 @@ def test_dry_run_records_and_json(dry_doc):
     assert meta["mode"] == "dry" and meta["timing_valid"] is False
     assert "not found" in meta["seed_error"]
     h = bench.harness()
-    plan = h.build_plan(["expand", "seed_tail"], "dry", {op: h.load_op_module(op) for op in ("expand", "seed_tail")})
+    plan = h.build_plan(DRY_OPS, "dry", {op: h.load_op_module(op) for op in DRY_OPS})
     assert len(doc["results"]) == len(plan)
     for r in doc["results"]:
         if r["impl"] == "seed":
@@ -59,6 +63,10 @@ def test_dry_run_records_and_json(dry_doc):
             assert r["timing"].startswith("cpu")
         if r["impl"].startswith("ours"):
             assert r["exact"] is True, r
+        if r["op"] == "decode" and r["status"] == "ok":  # ours: the least ring the step allows
+            p, nn = r["params"]["P"], r["params"]["next_n"]
+            assert r["ring"] == (2 * p if r["impl"] == "ours_ring2P" else ring_size(p, nn - 1)), r
+    assert {r["ring"] for r in doc["results"] if (r["op"], r["impl"]) == ("decode", "ours")} == {4, 8, 16, 32}
     assert "score" not in {r["op"] for r in doc["results"]}
 
 
@@ -84,6 +92,9 @@ def _fake_doc():
                 results.append({"op": op, "case": case["label"], "impl": impl, "status": "ok", "error": None,
                                 "params": {k: v for k, v in case.items() if k != "label"},
                                 "us": us, "bytes": int(4.0e3 * scale * 1e3 * 0.9), "mode": "full"})
+                if op == "decode":  # the ring each implementation ran with, as bench_decode records it
+                    p, nn = case["P"], case["next_n"]
+                    results[-1]["ring"] = {"ours_ring2P": 2 * p, "seed": p}.get(impl, ring_size(p, nn - 1))
     results[1] = {**results[1], "status": "error", "error": "RuntimeError: boom", "us": None}
     h.finalize(results, 4000.0, mods, "full")
     return {"meta": {"gpu": "NVIDIA H200", "mode": "full", "timing_valid": True, "torch": "2.11", "triton": "3.6",
@@ -115,7 +126,8 @@ def test_readme_table_render_and_rewrite(tmp_path):
     assert "NVIDIA H200" in block and "4000 GB/s" in block
     assert "| compress + write | P=16 pools=262144 | ours |" in block
     assert "B=1024" in block and "ours, RING=2P" in block
-    assert "| 4 | 4 | data movement only | 0.60 | 38.4 | 153.6 | 614.4 |" in block  # fake µs: 0.6 x batch
+    assert "| 4 | 4 | data movement only | 8 | 0.60 | 38.4 | 153.6 | 614.4 |" in block  # fake µs: 0.6 x batch
+    assert "| 4 | 1 | ours | 4 | " in block and "| 16 | 2 | ours, RING=2P | 32 | " in block
     no_movement = dict(doc, results=[r for r in doc["results"] if r["impl"] != "movement"])
     assert "data movement only" not in rt.render(no_movement)
     assert "did not complete" in block  # the injected error is reported, not hidden

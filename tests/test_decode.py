@@ -20,7 +20,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from _util import assert_bytes_equal, make_tail, random_bytes_like, strided_copy, view_tail
+from _util import assert_bytes_equal, make_tail, random_bytes_like, restride, strided_copy, view_tail
 from kpool import kpool_compress_and_write_cache, kpool_decode_update_and_maybe_write_cache_batched
 from kpool import layout as L
 from kpool import numerics
@@ -221,30 +221,45 @@ def contiguous_rows(n):
     return list(range(n))
 
 
+def spec_ring(P, next_n, kind="pow2"):
+    """A valid ring for steps of ``next_n`` tokens (the op needs ``RING >= P + next_n - 1``):
+    ``pow2`` = ``L.ring_size(P, next_n - 1)`` (the project's rule; RING = P at next_n = 1),
+    ``min`` = the least multiple of P that fits (the bound itself where P divides it),
+    ``big`` = 2 x ``pow2`` (room to spare)."""
+    if kind == "min":
+        return -(-(P + next_n - 1) // P) * P
+    return L.ring_size(P, next_n - 1) * (2 if kind == "big" else 1)
+
+
 # --------------------------------------------------------------------------- matrix
 
-# (id, P, ring/P, layout, fp8, PAGE, next_n, n_req, kv_pad, lead_pages, block_pad, head_pad, magnitude,
-#  round_scale, idx_dtype, strided)
+# (id, P, ring kind (spec_ring), layout, fp8, PAGE, next_n, n_req, kv_pad, lead_pages, block_pad, head_pad,
+#  magnitude, round_scale, idx_dtype, strided)
 CASES = [
-    ("plain_decode-P4-R4-plain-fn-page32", 4, 1, "plain", FN, 32, 1, 3, 0, 0, 0, 0, 1.0, True, torch.int64, False),
-    ("P4-R8-preshuffle-fnuz-page64-n4-padded", 4, 2, "preshuffle", FNUZ, 64, 4, 3, 64, 1, 256, 0, 1.0, True,
+    ("plain_decode-P4-R4-plain-fn-page32", 4, "pow2", "plain", FN, 32, 1, 3, 0, 0, 0, 0, 1.0, True, torch.int64,
+     False),
+    ("P4-R8-preshuffle-fnuz-page64-n4-padded", 4, "pow2", "preshuffle", FNUZ, 64, 4, 3, 64, 1, 256, 0, 1.0, True,
      torch.int32, False),
-    ("P16-R16-preshuffle-fn-page32-n2-big", 16, 1, "preshuffle", FN, 32, 2, 2, 0, 0, 0, 0, 300.0, True,
+    ("P16-R32-preshuffle-fn-page32-n2-big", 16, "pow2", "preshuffle", FN, 32, 2, 2, 0, 0, 0, 0, 300.0, True,
      torch.int64, True),
-    ("P16-R32-plain-fnuz-page64-n7-padded-noround", 16, 2, "plain", FNUZ, 64, 7, 2, 8, 0, 128, 128, 1.0, False,
+    ("P16-R64-plain-fnuz-page64-n7-padded-noround", 16, "big", "plain", FNUZ, 64, 7, 2, 8, 0, 128, 128, 1.0, False,
      torch.int32, False),
-    ("P4-R4-plain-fnuz-page64-n7-padded-strided", 4, 1, "plain", FNUZ, 64, 7, 2, 4, 2, 64, 128, 1e-3, True,
+    ("P4-R12-plain-fnuz-page64-n7-padded-strided", 4, "min", "plain", FNUZ, 64, 7, 2, 4, 2, 64, 128, 1e-3, True,
      torch.int64, True),
-    ("P4-R8-preshuffle-fn-page32-n2", 4, 2, "preshuffle", FN, 32, 2, 4, 0, 0, 0, 0, 1.0, True, torch.int32, False),
+    ("P4-R8-preshuffle-fn-page32-n2", 4, "pow2", "preshuffle", FN, 32, 2, 4, 0, 0, 0, 0, 1.0, True, torch.int32,
+     False),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_decode_matches_oracle(case, backend, device):
     """Random multi-request steps (random starts, valid counts, padding anywhere) over the
-    matrix P, RING, layout, fp8 format, PAGE, padded strides, index dtypes, input strides."""
-    (_, P, rmul, layout, fp8, page, next_n, n_req, kv_pad, lead, bpad, hpad, mag, rs, idt, strided) = case
-    sc = Sched(device, 11 + P + next_n, P, P * rmul, page, layout, fp8, n_req, max_pos=4 * P + 2 * next_n,
+    matrix P, RING (P for plain decode; the minimal, power-of-two and a larger ring for
+    verify steps), layout, fp8 format, PAGE, padded strides, index dtypes, input strides."""
+    (id_, P, kind, layout, fp8, page, next_n, n_req, kv_pad, lead, bpad, hpad, mag, rs, idt, strided) = case
+    ring = spec_ring(P, next_n, kind)
+    assert f"-R{ring}-" in id_
+    sc = Sched(device, 11 + P + next_n, P, ring, page, layout, fp8, n_req, max_pos=4 * P + 2 * next_n,
                kv_pad=kv_pad, lead_pages=lead, block_pad=bpad, head_pad=hpad, magnitude=mag, round_scale=rs)
     for r in range(n_req):
         sc.start(r, sc.rng.randrange(0, 3 * P))
@@ -268,13 +283,15 @@ def test_pool_completes_mid_batch(P, backend, device):
     assert_bytes_equal(sc.lib_kv_base, sc.expected_pools_kv([(0, 0), (1, 1)]), "kv_cache vs prefill writer")
 
 
-@pytest.mark.parametrize("P,rmul,layout", [(4, 1, "plain"), (4, 2, "preshuffle"), (16, 1, "plain")],
-                         ids=["P4-R4", "P4-R8", "P16-R16"])
-def test_several_completions_in_one_verify_step(P, rmul, layout, backend, device):
-    """next_n > P: one step completes two (P=4: three) pools of a request, the later ones
-    built only from this step's own earlier tokens (read-after-stash inside a step)."""
+@pytest.mark.parametrize("P,kind,layout", [(4, "min", "plain"), (4, "big", "preshuffle"), (16, "pow2", "plain")],
+                         ids=["P4-R12", "P4-R32", "P16-R32"])
+def test_several_completions_in_one_verify_step(P, kind, layout, backend, device):
+    """next_n > P: one step completes two (P=4: three) pools of a request, the first from
+    ring and row slots, the later ones built only from this step's own earlier tokens
+    (read-after-stash inside a step). Rings: the least that fits (P=16: RING = P + next_n
+    - 1 exactly), and one with room to spare."""
     next_n = 2 * P + 1 if P == 4 else P + 1
-    sc = Sched(device, 6, P, rmul * P, 32, layout, FNUZ, 2, max_pos=4 * P)
+    sc = Sched(device, 6, P, spec_ring(P, next_n, kind), 32, layout, FNUZ, 2, max_pos=4 * P)
     sc.start(0, P - 1)  # P=4: 3..11 completes pools 0, 1, 2;  P=16: 15..31 completes pools 0, 1
     sc.start(1, 1)
     rows1 = sorted(sc.rng.sample(range(next_n), next_n - 2))
@@ -289,8 +306,7 @@ def test_leading_invalid_tail_slot(P, backend, device):
     """Upstream regression: rows ``pos = [-1, 13, 14, 15]``, tail slot -1 first, completion
     at 15. The request's block is 2, so a block taken from the first (clamped) row would
     address block 0: blocks 0, 1, 3 must keep their bytes."""
-    ring = P if P == 16 else 2 * P
-    sc = Sched(device, 7, P, ring, 64, "preshuffle", FN, 1, max_pos=16, spare_blocks=3)
+    sc = Sched(device, 7, P, spec_ring(P, 4), 64, "preshuffle", FN, 1, max_pos=16, spare_blocks=3)
     sc.blocks = [2]
     sc.start(0, 13)
     a = sc.step([[1, 2, 3]], 4)
@@ -334,7 +350,7 @@ def test_padding_sentinels(where, backend, device):
     tokens still complete their pool and are stashed."""
     P, next_n = 4, 7
     rows = {"start": [3, 4, 5, 6], "middle": [0, 2, 3, 6], "end": [0, 1, 2, 3], "everywhere": [1, 3, 4, 5]}[where]
-    sc = Sched(device, 9, P, 2 * P, 32, "preshuffle", FNUZ, 2, max_pos=24)
+    sc = Sched(device, 9, P, spec_ring(P, next_n), 32, "preshuffle", FNUZ, 2, max_pos=24)
     sc.start(0, 5)  # tokens 5, 6, 7 (completes pool 1), 8
     sc.start(1, 2)  # tokens 2, 3 (completes pool 0)
     sc.apply(sc.step([rows, [r for r in rows[:2]]], next_n, pad_kind="mixed"))
@@ -362,11 +378,12 @@ def test_decode_writer_matches_prefill_writer(P, backend, device):
     """Token streams (P=4: two requests) fed through decode one token per step across a pool
     completion, and in verify steps of random next_n (random valid counts, trailing padding):
     every pool completed on the way is byte-identical to the prefill writer's entry for the
-    same tokens, and nothing else in the cache changes (pool immutability)."""
-    ring = P if P == 4 else 2 * P
+    same tokens, and nothing else in the cache changes (pool immutability). The ring fits
+    the largest step (next_n = 7)."""
+    choices = [2, 4, 7] if P == 4 else [4, 7]
     n_pools = 3 if P == 4 else 2
     n_req = 2 if P == 4 else 1  # P=16 is slow in the interpreter: one request
-    sc = Sched(device, 20 + P, P, ring, 64 if P == 4 else 32, "plain" if P == 4 else "preshuffle",
+    sc = Sched(device, 20 + P, P, spec_ring(P, max(choices)), 64 if P == 4 else 32, "plain" if P == 4 else "preshuffle",
                FN if P == 4 else FNUZ, n_req, max_pos=n_pools * P + 8)
     starts = [0, 3][:n_req]
     for r, p0 in enumerate(starts):
@@ -375,7 +392,7 @@ def test_decode_writer_matches_prefill_writer(P, backend, device):
 
     def verify_until(stop):
         while sc.cursor[0] < stop:
-            next_n = sc.rng.choice([2, 4, 7] if P == 4 else [4, 7])
+            next_n = sc.rng.choice(choices)
             rows = [contiguous_rows(min(next_n, stop - sc.cursor[0]))]
             rows += [contiguous_rows(min(sc.rng.randrange(1, next_n + 1), end - sc.cursor[r])) for r in range(1, n_req)]
             sc.apply(sc.step(rows, next_n), "verify")
@@ -392,15 +409,18 @@ def test_decode_writer_matches_prefill_writer(P, backend, device):
     assert_bytes_equal(sc.lib_kv_base, sc.expected_pools_kv(pools), "kv_cache vs prefill writer")
 
 
-@pytest.mark.parametrize("P,rmul,next_n", [(4, 1, 2), (4, 1, 9), (4, 2, 5), (16, 1, 17), (16, 2, 4)],
-                         ids=["P4-R4-n2", "P4-R4-n9", "P4-R8-n5", "P16-R16-n17", "P16-R32-n4"])
-def test_regular_steps_only(P, rmul, next_n, backend, device):
+@pytest.mark.parametrize("P,kind,next_n", [(4, "pow2", 1), (4, "pow2", 2), (4, "min", 9), (4, "pow2", 5),
+                                           (16, "pow2", 17), (16, "big", 4)],
+                         ids=["P4-R4-n1", "P4-R8-n2", "P4-R12-n9", "P4-R8-n5", "P16-R32-n17", "P16-R64-n4"])
+def test_regular_steps_only(P, kind, next_n, backend, device):
     """Every request's step regular (its valid tokens a prefix at consecutive positions, one
     ring block; shorter requests padded at the end): the Triton kernel's step-tile path for
-    the whole launch, several completions per step, steps longer than the ring (only the last
-    RING tokens stay), completions whose slots come partly from the ring and partly from the
-    step's own rows. Whole cache and ring against the in-order oracle, three steps."""
-    sc = Sched(device, 70 + P + next_n, P, rmul * P, 32, "plain", FN, 4, max_pos=4 * P + 3 * next_n)
+    the whole launch, several completions per step, completions whose slots come partly from
+    the ring and partly from the step's own rows. Rings: RING = P for plain decode, steps at
+    the ring's limit (RING = P + next_n - 1: n5, n9, n17), a ring with room to spare. Whole
+    cache and ring against the in-order oracle, three steps."""
+    sc = Sched(device, 70 + P + next_n, P, spec_ring(P, next_n, kind), 32, "plain", FN, 4,
+               max_pos=4 * P + 3 * next_n)
     for r in range(4):
         sc.start(r, sc.rng.randrange(0, 2 * P))
     for step in range(3):
@@ -413,8 +433,9 @@ def test_rejected_draft_redo(P, backend, device):
     """RING = ring_size(P, 3) >= P + num_spec. Step 1 verifies positions 2P-3 .. 2P (one bonus
     token + 3 drafts); the drafts complete pool 1, then all three are rejected. Step 2
     re-sends positions 2P-2 .. 2P+1 with the accepted tokens: pool 1 is rewritten from the
-    accepted tokens and equals the prefill writer's. (With RING = P the draft at 2P
-    overwrites the ring slot of position P that the redo needs: checked to differ.)"""
+    accepted tokens and equals the prefill writer's. With RING = P the draft at 2P would
+    overwrite the ring slot of position P that the redo needs (the per-token oracle shows
+    the corrupted pool): the op rejects that ring and writes nothing."""
     num_spec = 3
     ring = L.ring_size(P, num_spec)
     assert ring >= P + num_spec and ring % P == 0
@@ -444,6 +465,11 @@ def test_rejected_draft_redo(P, backend, device):
     assert_bytes_equal(sc.lib_kv_base, sc.expected_pools_kv([(0, 1)]), "kv_cache vs prefill writer after redo")
     small = run(P, True)  # the scenario bites: a one-pool ring corrupts the redo
     assert not torch.equal(small.lib_kv_base, small.expected_pools_kv([(0, 1)]))
+    small = Sched(device, 30 + P, P, P, 32, "preshuffle", FN, 1, max_pos=3 * P)
+    small.start(0, 2 * P - 3)
+    with pytest.raises(ValueError, match="tail_kv_cache.*too small"):
+        small.apply(small.step([[0, 1, 2, 3]], 4), "draft step at RING = P")
+    small.check("after the rejected call")  # the oracle never ran: its copies hold the starting bytes
 
 
 @pytest.mark.parametrize("layout,fp8", [("plain", FN), ("plain", FNUZ), ("preshuffle", FN), ("preshuffle", FNUZ)])
@@ -452,7 +478,7 @@ def test_entry_bytes_at_spec_offsets(layout, fp8, backend, device):
     codes and fp32 scale sit at the SPEC §3 byte offsets (written out here), no other
     byte changes; e4m3fnuz uses FP8_MAX 240 (codes within range), e4m3fn 448."""
     P, page, pad = 4, 32, 16
-    sc = Sched(device, 40, P, P, page, layout, fp8, 1, max_pos=8, kv_pad=pad, num_pages=3)
+    sc = Sched(device, 40, P, spec_ring(P, 3), page, layout, fp8, 1, max_pos=8, kv_pad=pad, num_pages=3)
     sc.pool_slot = [[page + 17, page + 17]]
     sc.start(0, 5)
     sc.apply(sc.step([[0, 1, 2]], 3))
@@ -505,7 +531,7 @@ def test_unchecked_out_of_range_slots_write_nothing(backend, device, monkeypatch
     """With KPOOL_CHECK=0 (no host range check), a pool slot or tail slot past the end of its
     buffer is skipped: no byte outside the owned entries changes (padded buffers compared whole)."""
     monkeypatch.setenv("KPOOL_CHECK", "0")
-    sc = Sched(device, 43, 4, 4, 32, "plain", FN, 2, max_pos=12, kv_pad=8, block_pad=64)
+    sc = Sched(device, 43, 4, spec_ring(4, 2), 32, "plain", FN, 2, max_pos=12, kv_pad=8, block_pad=64)
     sc.start(0, 2)
     sc.start(1, 6)
     a = sc.step([[0, 1], [0, 1]], 2)  # request 0 completes pool 0 at 3; request 1 completes pool 1 at 7
@@ -531,13 +557,18 @@ def test_determinism(backend, device):
 # --------------------------------------------------------------------------- validation
 
 def _valid_args(device, P=4, ring=8, page=32, B=2, n=3):
+    """Valid for ``RING >= P + n - 1``; columns past the third are padding (-1)."""
     kv = torch.zeros((4, page, 132), dtype=torch.uint8, device=device)
     tail = torch.zeros((3, 2, ring, D), dtype=torch.bfloat16, device=device)
-    ts = torch.tensor([[0, 1, 2], [8, 9, -1]], device=device)[:B, :n]
+
+    def ints(rows):
+        return torch.nn.functional.pad(torch.tensor(rows), (0, max(n - 3, 0)), value=-1)[:B, :n].to(device)
+
+    ts = ints([[0, 1, 2], [8, 9, -1]])
     key = torch.zeros((B, n, D), dtype=torch.bfloat16, device=device)
     ape = torch.zeros((P, D), dtype=torch.float32, device=device)
-    loc = torch.tensor([[-1, -1, -1], [-1, 5, -1]], device=device)[:B, :n]
-    pos = torch.tensor([[0, 1, 2], [2, 3, -1]], device=device)[:B, :n]
+    loc = ints([[-1, -1, -1], [-1, 5, -1]])
+    pos = ints([[0, 1, 2], [2, 3, -1]])
     return dict(kv_cache=kv, tail_kv_cache=tail, tail_slot_mapping=ts, key=key, slot_score=key.clone(), ape=ape,
                 slot_mapping=loc, positions=pos, pool_size=P)
 
@@ -576,6 +607,18 @@ BAD = [
     ("ring-smaller-than-P", lambda a, dv: {"tail_kv_cache": torch.zeros((3, 2, 8, D), dtype=torch.bfloat16,
                                                                         device=dv), "pool_size": 16,
                                            "ape": torch.zeros((16, D), device=dv)}, ValueError, "ring"),
+    # RING >= P + next_n - 1 (room for the drafts); each valid with one token fewer (test_valid_args_accepted)
+    ("ring-P-with-speculation", lambda a, dv: _valid_args(dv, ring=4, n=2), ValueError,
+     "tail_kv_cache.*too small"),
+    ("ring-2P-next_n-6", lambda a, dv: _valid_args(dv, ring=8, n=6), ValueError, "tail_kv_cache.*too small"),
+    # the [num_blocks, 2] rings of RING x 128 elements must not share memory
+    ("tail-block-stride-0", lambda a, dv: {"tail_kv_cache": restride(a["tail_kv_cache"], 0, 0)}, ValueError,
+     "tail_kv_cache.*overlap"),
+    ("tail-head-stride-0", lambda a, dv: {"tail_kv_cache": restride(a["tail_kv_cache"], 1, 0)}, ValueError,
+     "tail_kv_cache.*overlap"),
+    ("tail-block-stride-one-ring", lambda a, dv: {  # block b's keys are block b-1's gates
+        "tail_kv_cache": restride(a["tail_kv_cache"], 0, a["tail_kv_cache"].stride(1))}, ValueError,
+     "tail_kv_cache.*overlap"),
     ("key-inner-stride", lambda a, dv: {"key": strided_copy(a["key"])}, ValueError, "key"),
     ("slot_score-inner-stride", lambda a, dv: {"slot_score": strided_copy(a["slot_score"])}, ValueError, "slot_score"),
     ("ape-inner-stride", lambda a, dv: {"ape": strided_copy(a["ape"])}, ValueError, "ape"),
@@ -625,6 +668,8 @@ def test_valid_args_accepted(backend, device):
     """The base of the rejection cases is itself valid (so each case fails for its own reason)."""
     decode_update(**_valid_args(device), layout="plain")
     decode_update(**_valid_args(device, page=64), layout="preshuffle", fp8_dtype=FNUZ)  # PAGE % 16 == 0
+    decode_update(**_valid_args(device, ring=4, n=1), layout="plain")  # RING = P without speculation
+    decode_update(**_valid_args(device, ring=8, n=5), layout="plain")  # RING = P + next_n - 1
 
 
 # --------------------------------------------------------------------------- property test
@@ -634,11 +679,13 @@ def test_valid_args_accepted(backend, device):
 @given(data=st.data())
 def test_random_decode_schedules(data, backend, device):
     """Random schedules: 1-3 requests at random starting positions (ring pre-filled by their
-    prefix), 1-3 steps of random next_n with random valid counts and padding placement and
-    kinds, random draft rejections (cursor rewinds, different tokens re-sent); every step's
-    whole buffers equal the oracle's."""
+    prefix), RING = P, 2P or 4P, 1-3 steps of random next_n up to 7 and up to what the ring
+    allows (RING >= P + next_n - 1, the limit itself among the draws; plain decode at RING =
+    P) with random valid counts and padding placement and kinds, random draft rejections
+    (cursor rewinds, different tokens re-sent); every step's whole buffers equal the oracle's."""
     P = data.draw(st.sampled_from([4, 16]), label="P")
-    ring = P * data.draw(st.sampled_from([1, 2]), label="ring/P")
+    ring = P * data.draw(st.sampled_from([1, 2, 4]), label="ring/P")
+    max_n = min(7, ring - P + 1)
     layout = data.draw(st.sampled_from(["plain", "preshuffle"]), label="layout")
     fp8 = data.draw(st.sampled_from([FN, FNUZ]), label="fp8")
     page = data.draw(st.sampled_from([32, 64]), label="PAGE")
@@ -651,7 +698,8 @@ def test_random_decode_schedules(data, backend, device):
     for r in range(n_req):
         sc.start(r, data.draw(st.integers(0, 3 * P), label=f"start {r}"))
     for step in range(n_steps):
-        next_n = data.draw(st.sampled_from([1, 2, 4, 7]) | st.integers(1, 7), label="next_n")
+        next_n = data.draw(st.sampled_from(sorted({n for n in (1, 2, 4) if n <= max_n} | {max_n}))
+                           | st.integers(1, max_n), label="next_n")
         rows = []
         for r in range(n_req):
             k = data.draw(st.integers(0, next_n), label="valid")

@@ -31,11 +31,13 @@ def _compress_args(device):
 
 
 def _decode_args(device):
+    """Two requests, a verify step of two tokens each (one completes a pool): RING = ring_size(P, 1)."""
     g = _gen(2)
+    ring = kpool.layout.ring_size(P, 1)
     kv = torch.randint(0, 256, (2, PAGE, D + 4), dtype=torch.uint8, generator=g)
-    tail = torch.randn(2, 2, P, D, generator=g).to(torch.bfloat16)
+    tail = torch.randn(2, 2, ring, D, generator=g).to(torch.bfloat16)
     pos = torch.tensor([[2, 3], [6, 7]])
-    ts = torch.tensor([[0, 1], [4, 5]])
+    ts = torch.tensor([[0], [1]]) * ring + pos % ring
     slot = torch.where((pos + 1) % P == 0, torch.tensor([[5], [9]]), -1)
     key = torch.randn(2, 2, D, generator=g).to(torch.bfloat16)
     gate = torch.randn(2, 2, D, generator=g).to(torch.bfloat16)

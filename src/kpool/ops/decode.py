@@ -21,8 +21,8 @@ import triton.language as tl
 
 from .. import reference
 from .._backend import backend_for, native_fp8, pdl_launch, row_select
-from .._checks import (INT_DTYPES, check_head_dim, check_index_range, check_kv_cache, check_pool_size,
-                       check_tail, check_tensor)
+from .._checks import (INT_DTYPES, check_bool, check_head_dim, check_index_range, check_kv_cache,
+                       check_pool_size, check_tail, check_tensor)
 from ..layout import HEAD_DIM, fp8_max, resolve_fp8_dtype, resolve_layout
 from . import _jit, _pdl
 
@@ -144,8 +144,7 @@ def _decode_update_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
             _jit.encode_and_store(kv_ptr, kv_f32_ptr, page_stride, x, loc_c, complete, d, NC, PAGE, PRESHUFFLE,
                                   FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)
         tl.debug_barrier()  # the completions' ring reads precede the stash
-        # a step longer than the ring keeps its last RING tokens
-        keep = ((j < n_reg) & (j + RING >= n_reg))[:, None] & (d[None, :] < 128)
+        keep = (j < n_reg)[:, None] & (d[None, :] < 128)  # next_n <= RING - P + 1: no stash overwrites another
         dst = ring + ((pos0 + j) % RING)[:, None] * 128 + d[None, :]
         tl.store(dst, k, mask=keep)
         tl.store(dst + tail_head, g, mask=keep)
@@ -169,7 +168,8 @@ def kpool_decode_update_and_maybe_write_cache_batched(kv_cache, tail_kv_cache, t
     Parameters
     ----------
     kv_cache : uint8 ``[num_pages, PAGE, 132]``.
-    tail_kv_cache : bf16 ``[num_blocks, 2, RING, 128]``, ``RING % P == 0`` (padded block stride allowed).
+    tail_kv_cache : bf16 ``[num_blocks, 2, RING, 128]``, ``RING % P == 0``, ``RING >= P + next_n - 1``
+        (room for the step's speculative tokens; padded block stride allowed).
     tail_slot_mapping : int32/int64 ``[B, next_n]`` token-granular ring slots, -1 = padding.
     key, slot_score : bf16 ``[B, next_n, 128]`` (unit inner stride).
     ape : fp32 ``[P, 128]``.
@@ -179,6 +179,7 @@ def kpool_decode_update_and_maybe_write_cache_batched(kv_cache, tail_kv_cache, t
     layout, fp8_dtype : as in ``kpool_compress_and_write_cache``.
     """
     check_head_dim(head_dim)
+    check_bool("round_scale", round_scale)
     check_pool_size(pool_size)
     check_tensor("key", key, dtype=torch.bfloat16, ndim=3, inner_contiguous=True)
     device = key.device
@@ -194,6 +195,11 @@ def kpool_decode_update_and_maybe_write_cache_batched(kv_cache, tail_kv_cache, t
     fp8_dtype = resolve_fp8_dtype(fp8_dtype, device)
     check_kv_cache(kv_cache, layout, device)
     ring = check_tail(tail_kv_cache, pool_size, device)
+    if next_n - 1 > ring - pool_size:
+        raise ValueError(f"tail_kv_cache ring size RING = {ring} is too small for steps of next_n = {next_n} tokens "
+                         f"({next_n - 1} speculative): RING >= P + next_n - 1 = {pool_size + next_n - 1} keeps the "
+                         "committed ring entries that a redo after rejected drafts needs (RING = P only without "
+                         "speculation)")
     check_index_range("slot_mapping", slot_mapping, kv_cache.shape[0] * kv_cache.shape[1], "cache slots")
     check_index_range("tail_slot_mapping", tail_slot_mapping, tail_kv_cache.shape[0] * ring, "tail ring slots")
     if num_req == 0 or next_n == 0:
