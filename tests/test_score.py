@@ -168,6 +168,16 @@ def test_exactness_run_picks_ops(device, capsys):
     assert "--ops takes a comma list" in capsys.readouterr().err
 
 
+def test_exactness_run_decode_cases(device):
+    """The GPU run's decode cases (``exactness.decode_cases``: plain decode, verify steps of 4
+    and of P + 1 tokens, each at a ring the writer accepts) at 3 requests: every byte exact."""
+    from kpool import exactness
+    rows, bad = exactness.run_checks(("decode",), 8, 3, 2, 600, (16,), device, torch.Generator().manual_seed(9),
+                                     log=lambda line: None)
+    assert bad == 0 and len(rows) == 2 * 2 * len(exactness.decode_cases(4, 3))
+    assert {(r["P"], r["ring"], r["next_n"]) for r in rows} >= {(4, 4, 1), (4, 8, 5), (16, 32, 17)}
+
+
 def test_exactness_run_selection_cases(device, monkeypatch):
     """``check_selection`` at a size that filters (leaves of 128 allowed to): verify rows, exact
     ties from duplicated entries, the fused expansion at a rounded width; then random cases

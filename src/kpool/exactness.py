@@ -241,9 +241,8 @@ def decode_cases(p, many):
     """``(ring multiple, next_n, requests)`` of the decode checks: plain decode and a 4-token
     verify step with many requests and with 64 (every warp count of ``decode.decode_warps``),
     and a verify step longer than a pool (``next_n = P + 1``: two completions in one step, the
-    later one from this step's own tokens; its last token reuses the first one's ring slot
-    when RING = P)."""
-    return ((1, 1, many), (2, 4, many), (2, 4, 64), (1, p + 1, 64), (1, p + 1, many))
+    later one from this step's own tokens) at the least ring it allows (RING = 2P = P + next_n - 1)."""
+    return ((1, 1, many), (2, 4, many), (2, 4, 64), (2, p + 1, 64), (2, p + 1, many))
 
 
 OPS = ("compress", "decode", "score", "select")
