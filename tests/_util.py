@@ -73,6 +73,19 @@ def restride(t, dim, stride):
     return torch.as_strided(t, t.shape, strides, t.storage_offset())
 
 
+# rejection cases of the writers that take a tail ring (``tail_kv_cache`` argument): the
+# [num_blocks, 2] rings of RING x 128 elements must not share memory
+TAIL_OVERLAP_CASES = [
+    ("tail-block-stride-0", lambda a, dv: {"tail_kv_cache": restride(a["tail_kv_cache"], 0, 0)}, ValueError,
+     "tail_kv_cache.*overlap"),
+    ("tail-head-stride-0", lambda a, dv: {"tail_kv_cache": restride(a["tail_kv_cache"], 1, 0)}, ValueError,
+     "tail_kv_cache.*overlap"),
+    ("tail-block-stride-one-ring", lambda a, dv: {  # block b's keys are block b-1's gates
+        "tail_kv_cache": restride(a["tail_kv_cache"], 0, a["tail_kv_cache"].stride(1))}, ValueError,
+     "tail_kv_cache.*overlap"),
+]
+
+
 def strided_copy(t, dim=-1):
     """Same values, stride 2 along ``dim`` (non-unit inner stride when dim=-1)."""
     shape = list(t.shape)

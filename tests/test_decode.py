@@ -20,7 +20,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from _util import assert_bytes_equal, make_tail, random_bytes_like, restride, strided_copy, view_tail
+from _util import TAIL_OVERLAP_CASES, assert_bytes_equal, make_tail, random_bytes_like, strided_copy, view_tail
 from kpool import kpool_compress_and_write_cache, kpool_decode_update_and_maybe_write_cache_batched
 from kpool import layout as L
 from kpool import numerics
@@ -611,14 +611,7 @@ BAD = [
     ("ring-P-with-speculation", lambda a, dv: _valid_args(dv, ring=4, n=2), ValueError,
      "tail_kv_cache.*too small"),
     ("ring-2P-next_n-6", lambda a, dv: _valid_args(dv, ring=8, n=6), ValueError, "tail_kv_cache.*too small"),
-    # the [num_blocks, 2] rings of RING x 128 elements must not share memory
-    ("tail-block-stride-0", lambda a, dv: {"tail_kv_cache": restride(a["tail_kv_cache"], 0, 0)}, ValueError,
-     "tail_kv_cache.*overlap"),
-    ("tail-head-stride-0", lambda a, dv: {"tail_kv_cache": restride(a["tail_kv_cache"], 1, 0)}, ValueError,
-     "tail_kv_cache.*overlap"),
-    ("tail-block-stride-one-ring", lambda a, dv: {  # block b's keys are block b-1's gates
-        "tail_kv_cache": restride(a["tail_kv_cache"], 0, a["tail_kv_cache"].stride(1))}, ValueError,
-     "tail_kv_cache.*overlap"),
+    *TAIL_OVERLAP_CASES,
     ("key-inner-stride", lambda a, dv: {"key": strided_copy(a["key"])}, ValueError, "key"),
     ("slot_score-inner-stride", lambda a, dv: {"slot_score": strided_copy(a["slot_score"])}, ValueError, "slot_score"),
     ("ape-inner-stride", lambda a, dv: {"ape": strided_copy(a["ape"])}, ValueError, "ape"),

@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from _util import assert_bytes_equal, make_tail, restride, strided_copy, view_tail
+from _util import TAIL_OVERLAP_CASES, assert_bytes_equal, make_tail, strided_copy, view_tail
 from kpool import kpool_seed_tail_cache
 from kpool.ops.tail import seed_requests
 
@@ -404,14 +404,7 @@ SEED_BAD = [
      "tail_kv_cache"),
     ("tail-row-stride", lambda a, dv: {"tail_kv_cache": strided_copy(a["tail_kv_cache"], 2)}, ValueError,
      "tail_kv_cache"),
-    # the [num_blocks, 2] rings of RING x 128 elements must not share memory
-    ("tail-block-stride-0", lambda a, dv: {"tail_kv_cache": restride(a["tail_kv_cache"], 0, 0)}, ValueError,
-     "tail_kv_cache.*overlap"),
-    ("tail-head-stride-0", lambda a, dv: {"tail_kv_cache": restride(a["tail_kv_cache"], 1, 0)}, ValueError,
-     "tail_kv_cache.*overlap"),
-    ("tail-block-stride-one-ring", lambda a, dv: {  # block b's keys are block b-1's gates
-        "tail_kv_cache": restride(a["tail_kv_cache"], 0, a["tail_kv_cache"].stride(1))}, ValueError,
-     "tail_kv_cache.*overlap"),
+    *TAIL_OVERLAP_CASES,
     ("key-inner-stride", lambda a, dv: {"key": strided_copy(a["key"])}, ValueError, "key"),
     ("gate_score-inner-stride", lambda a, dv: {"gate_score": strided_copy(a["gate_score"])}, ValueError, "gate_score"),
     ("gate_score-device", lambda a, dv: {"gate_score": a["gate_score"].to("meta")}, ValueError, "gate_score"),
