@@ -148,7 +148,7 @@ def quantize(y, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr, ROUND_SCALE: tl.const
     With power-of-two scales ``y / scale`` is computed as ``y * 2^-e``: both are the
     correctly rounded value of the same real number, so the bits equal ``div_rn``'s. A finite
     scale is at most ~2^120, so its reciprocal is normal; an infinite one (an inf in the row)
-    gets the reciprocal +0 (exponent field clamped at 0), which gives ``y / inf``: ±0 for a
+    gets the reciprocal +0 (its bits clamped at 0), which gives ``y / inf``: ±0 for a
     finite ``y``, NaN for an infinite one.
     ``NATIVE_FP8`` (a ``_backend.native_fp8`` mode): encode with the target's conversion (same
     bytes) instead of integer ops.
@@ -156,8 +156,8 @@ def quantize(y, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr, ROUND_SCALE: tl.const
     amax = tl.max(tl.abs(y), axis=1)
     scale = quant_scale(amax, 1.0 / FP8_MAX, ROUND_SCALE)
     if ROUND_SCALE:
-        inv_exp = tl.maximum(254 - ((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF), 0)
-        inv = (inv_exp << 23).to(tl.float32, bitcast=True)
+        # scale = 2^k (bits (k + 127) << 23): 2^-k has bits (254 << 23) - bits; inf -> negative -> 0
+        inv = tl.maximum(0x7F000000 - scale.to(tl.int32, bitcast=True), 0).to(tl.float32, bitcast=True)
         q = y * inv[:, None]
     else:
         q = tl.math.div_rn(y, scale[:, None])
