@@ -466,7 +466,8 @@ def paged_pool_logits(q_fp8, kv_cache, weights, pool_lens, page_table, *, layout
     pool_lens : int32/int64 ``[B, next_n]``: pools visible to each row (a verify row sees
         the pools completed up to and including its own token); negative = 0.
     page_table : int32/int64 ``[B, max_pages]``: request ``b``'s pool ``j`` is state
-        ``j % PAGE`` of page ``page_table[b, j // PAGE]``.
+        ``j % PAGE`` of page ``page_table[b, j // PAGE]``; a negative page (none) reads
+        nothing and its visible pools score NaN (ranked after every number by the selection).
     layout : ``"plain"`` / ``"preshuffle"`` (default from the platform).
     fp8_dtype : format of the codes (default: ``q_fp8.dtype`` if fp8, else the platform's).
     max_pools : output width (default ``max_pages * PAGE``); every ``pool_lens`` entry must
