@@ -229,7 +229,7 @@ def test_fp8_kernels_follow_the_native_fp8_table():
 def test_launch_options_the_launchers_use():
     """Per-case compile options (``_opt_`` keys): the decode kernel compiles with every warp
     count ``decode_warps`` picks; the fused scorer with its NUM_WARPS; leaves at both ends
-    of ``plan_leaves``' range, below KB (sort-and-pad) and above (top-k); the prefill writer
+    of ``plan_leaves``' range, below KB (pools in order) and above (top-k); the prefill writer
     with its register cap at the P that has one."""
     from kpool.ops import decode, prefill, score, topk
     jobs = aot.build_jobs(targets=["sm_90"], kernels=["_decode_update_kernel", "_paged_topk_kernel",

@@ -219,6 +219,10 @@ def test_all_visible_in_order_and_padding(backend, device):
     assert got[0].tolist() == [0, 1, 2, 3, 4, -1, -1, -1]
     got = check(logits[:, :0], torch.zeros(4, dtype=torch.int32), 8, device)  # no columns at all
     assert got.tolist() == [[-1] * 8] * 4
+    # select_k past the smallest leaf (KB = 256 > topk.MIN_CHUNK): a one-leaf row of fewer pools
+    wide = torch.randn(3, topk.MIN_CHUNK, generator=g)
+    got = check(wide, torch.tensor([topk.MIN_CHUNK, 77, 0]), 200, device)
+    assert got[0].tolist() == list(range(topk.MIN_CHUNK)) + [-1] * (200 - topk.MIN_CHUNK)
 
 
 def test_nan_last_inf_and_signed_zero(backend, device):

@@ -330,7 +330,7 @@ def _kb_axis():
 
 def _leaf_axis(granule=1, key="CHUNK"):
     """(KB, leaf size under ``key``) at the ends of ``topk.plan_leaves``' range: the smallest
-    leaf (``max(MIN_CHUNK, granule)``, below KB: the sort-and-pad path) and the largest
+    leaf (``max(MIN_CHUNK, granule)``, below KB: a one-leaf row emits its pools in order) and the largest
     (``max(KB, LEAF_BASE, granule)``: the top-k path), and ``2 * KB`` (``score.wide_plan``'s
     filtering leaves)."""
     from .ops import topk

@@ -66,7 +66,7 @@ from .._checks import INT_DTYPES, check_positive_int, check_tensor, range_checks
 from . import _pdl, select
 
 LEAF_BASE = 512  # leaves of up to max(KB, LEAF_BASE) pools (H200: 32 x 128K 329 -> 296 us vs 1,024) ...
-MIN_CHUNK = 128  # ... and at least this many (smaller leaves keep all their keys, sorted)
+MIN_CHUNK = 128  # ... and at least this many (leaves of at most KB pools keep all their keys)
 SELECT_WARPS = 8  # warps of the per-row threshold-select program ...
 SELECT_BLOCK = 2048  # ... and keys per step of its passes (H200 sweep: 32 x 128K 19.9 -> 12.7 us vs 16 x 4096)
 SELECT_HELD_KEYS = 2048  # survivors up to which its radix select loads them once, every pass on registers
@@ -226,17 +226,14 @@ def store_leaf(keys, cand_ptr, out_ptr, n_vis, select_k, CHUNK: tl.constexpr, KB
     """A leaf's keys ``[CHUNK]``: with ``FINAL`` (the row's only leaf) its ids to ``out_ptr``
     (sorted, ``emit_selection``), else its list of ``HEAD + min(CHUNK, KB)`` keys to
     ``cand_ptr`` (module docstring, 1.)."""
+    tl.static_assert(CHUNK >= HEAD, "leaves hold at least HEAD pools (MIN_CHUNK)")
     if FINAL:
         if CHUNK >= KB:
-            top = tl.topk(keys, KB)
-        else:
-            pad = tl.arange(0, KB // CHUNK)[:, None] == 0
-            top = tl.reshape(tl.where(pad, tl.sort(keys, descending=True)[None, :], NO_KEY), (KB,))
-        emit_selection(out_ptr, top, n_vis, select_k, KB, P, PB)
+            emit_selection(out_ptr, tl.topk(keys, KB), n_vis, select_k, KB, P, PB)
+        else:  # n_vis <= CHUNK <= KB / 2 < select_k: every visible pool, in order
+            emit_in_order(out_ptr, n_vis, select_k, KB, P, PB)
     elif CHUNK > KB:
         tl.store(cand_ptr + HEAD + tl.arange(0, KB), tl.topk(keys, KB))
-    elif CHUNK < HEAD:
-        tl.store(cand_ptr + HEAD + tl.arange(0, CHUNK), tl.sort(keys, descending=True))
     else:  # the leaf keeps all its keys: _unsorted_list decides the order
         _, rank = _bound_rank(n_vis, CHUNK, select_k)
         if _unsorted_list(rank, CHUNK, CHUNK):
