@@ -703,6 +703,8 @@ def test_capacity_and_misuse(backend):
     for cu in ([0, 3], [0, 3, 4], [1, 3, 5], [0, 4, 3, 5], [0, 3, 6], [0, 6, 5],
                torch.tensor([0, 2, 6], dtype=torch.int32)):
         err(ValueError, "cu_seqlens", lambda: c.prefill(["B", "A"], kp, gp, cu_seqlens=cu), f"cu_seqlens {cu}")
+    err(ValueError, "keys must be", lambda: c.prefill(["B", "A"], kp[:, :64].contiguous(), gp[:, :64].contiguous(),
+                                                        cu_seqlens=[0, 3, 5]), "packed keys [5, 64]")
     for cu in ([0, 3.5, 5], torch.tensor([0.0, 3.0, 5.0])):  # no truncation of fractional offsets
         err(TypeError, "cu_seqlens", lambda: c.prefill(["B", "A"], kp, gp, cu_seqlens=cu), f"cu_seqlens {cu}")
     # pool_slot: only pools of the request's allocated pages
@@ -740,8 +742,11 @@ def test_constructor_arguments(name, value):
 
 
 def test_constructor_device_and_flags():
-    """A device kpool does not run on, or a non-bool ``round_scale``, fails at construction."""
+    """A device kpool does not run on, a non-bool ``round_scale``, or a preshuffled layout with
+    pages that are not whole 16-state tiles fails at construction."""
     kwargs = dict(num_pages=2, page_size=16, pool_size=4, max_requests=1, ape=torch.zeros(4, 128))
+    with pytest.raises(ValueError, match="preshuffle"):
+        KPoolCache(**dict(kwargs, page_size=24), device="cpu", layout="preshuffle")
     with pytest.raises(ValueError, match="device is on meta"):
         KPoolCache(**kwargs, device="meta")
     with pytest.raises(ValueError, match="ape is on meta"):

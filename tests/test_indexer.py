@@ -487,6 +487,14 @@ def test_score_and_select_matches_topk_indices(monkeypatch, backend):
                            run.cache.page_table(["a", "b"]), pos, pool_size=4, index_topk=16, width=32,
                            fp8_dtype=FP8)
     assert torch.equal(got, want)
+    # max_pools <= select_k (every row sees at most 10 of its 16 pages' pools): no scoring, pools in order
+    monkeypatch.setenv("KPOOL_BACKEND", "torch")
+    want = run.cache.topk_indices(["a", "b"], q, w, index_topk=64)
+    monkeypatch.setenv("KPOOL_BACKEND", backend)
+    got = score_and_select(q.view(2, 2, run.H, D), w.view(2, 2, run.H), run.cache.kv_cache,
+                           run.cache.page_table(["a", "b"]), pos, pool_size=4, index_topk=64, max_pools=16,
+                           fp8_dtype=FP8)
+    assert torch.equal(got, want) and got[0, :40].tolist() == list(range(40))
 
 
 def test_score_and_select_validation(monkeypatch, backend):

@@ -179,3 +179,5 @@ def test_quantize_queries_rejects(device):
         quantize_queries_and_counts(q, w, pos.float(), 4)
     with pytest.raises(ValueError, match="pool_size"):
         quantize_queries_and_counts(q, w, pos, 0)
+    with pytest.raises(ValueError, match=r"q must have shape \[\.\.\., H, 128\]"):
+        quantize_queries_and_counts(q[..., :64], w, pos, 4)
