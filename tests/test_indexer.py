@@ -343,6 +343,18 @@ def test_every_position_class_prefill_and_verify(backend):
     check_against_serving(run, ["r"], out, q, w, topk, width=16)
 
 
+def test_scored_requests_around_an_unscored_one(backend):
+    """A verify step of three requests whose middle one sees at most select_k pools: its rows are
+    identity rows, so the scored grid holds the first and third requests (their page-table
+    rows gathered, not sliced)."""
+    run = Run(seed=23, num_pages=16)
+    run.prefill({"a": 40, "b": 5, "c": 36})
+    run.decode({"a": 2, "b": 2, "c": 2})
+    q, w = run.queries(6)
+    out = run.cache.topk_indices(["a", "b", "c"], q, w, index_topk=16)
+    check_against_serving(run, ["a", "b", "c"], out, q, w, 16)
+
+
 # --------------------------------------------------------------------------------------------
 # memory budget: row chunking
 # --------------------------------------------------------------------------------------------
