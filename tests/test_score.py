@@ -277,6 +277,30 @@ def test_filter_bounds_hold_under_the_whole_error_budget(device, monkeypatch, fi
     assert used == [True] * 4  # two cases, ids and tokens each
 
 
+def test_filter_bounds_with_negative_key_scales(device, monkeypatch, filter_choices):
+    """A key entry with a negative scale (garbage: the writers store positive ones) still gets
+    a lower key below and an upper bound above its exact logit (the error scales with
+    ``|kscale|``), so the filtered selection equals the exact reference's."""
+    monkeypatch.setenv("KPOOL_BACKEND", "triton")
+    monkeypatch.setenv(score.SCORER_ENV, "filter")
+    used = filter_choices
+    fp8, page, n_pools, select_k = FP8[0], 64, 384, 128
+    g = torch.Generator().manual_seed(0)
+    kv = torch.zeros(n_pools // page, page, 132, dtype=torch.uint8)
+    scales = torch.full((n_pools,), 2.0**-8)
+    scales[::5] *= -1  # their dots change sign: most heads relu to 0, the row's best logits
+    write_entries(kv, torch.arange(n_pools), (torch.randn(n_pools, 128, generator=g) * 8).to(fp8).view(torch.uint8),
+                  scales, "plain")
+    q = (torch.randn(1, 1, 16, 128, generator=g) * 8).to(fp8)
+    w = -torch.rand(1, 1, 16, generator=g)
+    pt = torch.randperm(n_pools // page, generator=g)[None].int()
+    lens = torch.tensor([[n_pools]], dtype=torch.int32)
+    args = [t.to(device) for t in (q, kv, w, lens, pt)]
+    got = paged_pool_topk(*args, select_k, layout="plain").cpu()
+    logits = reference.paged_pool_logits(q.view(torch.uint8), kv, w, lens, pt, "plain", fp8, n_pools)
+    assert used == [True] and torch.equal(got, reference.select_pools(logits, lens.view(-1), select_k))
+
+
 @pytest.mark.parametrize("heads_in", ["registers", "streamed", "wide leaves", "short rows"])
 def test_filter_survivors_reach_the_union_of_the_leaf_heads(device, monkeypatch, filter_choices, heads_in):
     """A filtered row's survivors are exactly its pools whose upper bound (the leaves' int32
@@ -379,6 +403,14 @@ def test_wide_plan_halves_filtering_leaves_of_rows_with_few(monkeypatch):
         assert score.wide_plan(8192, n_cols, 512, "cuda") == (512, -(-n_cols // 512)), n_cols
     monkeypatch.setenv(score.SCORER_ENV, "exact")
     assert score.wide_plan(8192, 4096, 512, "cuda") == (512, 8)
+    # halving stops at the smallest leaf plan_leaves makes (one tile), whatever FILTER_MIN_CHUNK and
+    # MIN_CHUNK say (at 0 and 16 a 76-pool verify grid at select_k 64 went to leaves of 32: no tile)
+    monkeypatch.setenv(score.SCORER_ENV, "filter")
+    monkeypatch.setattr(topk, "_sm_count", lambda device: 1)
+    monkeypatch.setattr(score, "FILTER_MIN_CHUNK", 0)
+    monkeypatch.setattr(topk, "MIN_CHUNK", 16)
+    monkeypatch.setattr(topk, "LEAF_BASE", 0)
+    assert score.wide_plan(6, 76, 64, "cuda") == (score.BLOCK_POOLS, 2)
 
 
 def test_scorer_switch(device, monkeypatch, filter_choices):

@@ -226,7 +226,7 @@ def approx_block_logits(q16, w, codes, kscale, lut_ptr, BN: tl.constexpr, H: tl.
 
 @triton.jit
 def logit_error_scale(w, q_l1, H: tl.constexpr, R: tl.constexpr, FP8_MAX: tl.constexpr, ERROR: tl.constexpr):
-    """Per row ``[R]``: ``E`` such that ``|approx - exact| <= E * kscale`` for every pool of
+    """Per row ``[R]``: ``E`` such that ``|approx - exact| <= E * |kscale|`` for every pool of
     the row: ``ERROR * sum_h |w_h| * ||q_h||_1 * FP8_MAX`` (``ERROR``: the relative budget of
     one head's dot, ``score.FILTER_ERROR``)."""
     t = tl.reshape(tl.abs(w) * q_l1, (R, H))

@@ -167,7 +167,7 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
                 if FILTER:
                     a = approx_block_logits(q16, w, codes, kscale, lut_ptr, BN, H, ROWS, FNUZ, NATIVE_FP8)
                     a = tl.where(seen, tl.where(ok[:, None], a, float("nan")), float("-inf"))
-                    e = kscale[:, None] * err[None, :]
+                    e = tl.abs(kscale)[:, None] * err[None, :]  # a negative scale (not ours: garbage) bounds too
                     if SHAKE != 0.0:  # test hook (FILTER_SHAKE): a within its bound, up or down by the id
                         a += tl.where(((j * 2654435761) >> 11) % 2 == 0, SHAKE, -SHAKE)[:, None] * e
                     lo, hi = bound_keys(a, e, j[:, None], seen)
@@ -273,7 +273,8 @@ def wide_plan(rows: int, n_cols: int, select_k: int, device) -> tuple:
     if (chunk == kb and sms and rows * triton.cdiv(n_cols, wide) >= topk.PROGRAMS_PER_SM * sms
             and filters(wide, kb, triton.cdiv(n_cols, wide), n_cols, select_k)):
         return wide, triton.cdiv(n_cols, wide)
-    while (chunk // 2 >= FILTER_MIN_CHUNK and (n_cols // chunk) * topk.POSITION_KEYS <= FILTER_TIGHT_KEYS * select_k
+    floor = max(FILTER_MIN_CHUNK, topk.MIN_CHUNK, BLOCK_POOLS)  # never below plan_leaves' smallest leaf
+    while (chunk // 2 >= floor and (n_cols // chunk) * topk.POSITION_KEYS <= FILTER_TIGHT_KEYS * select_k
            and filters(chunk, kb, n_chunks, n_cols, select_k)):
         chunk //= 2
         n_chunks = triton.cdiv(n_cols, chunk)
