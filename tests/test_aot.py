@@ -229,7 +229,7 @@ def test_fp8_kernels_follow_the_native_fp8_table():
 def test_launch_options_the_launchers_use():
     """Per-case compile options (``_opt_`` keys): the decode kernel compiles with every warp
     count ``decode_warps`` picks; the fused scorer with its NUM_WARPS; leaves at both ends
-    of ``plan_leaves``' range, below KB (pools in order) and above (top-k); the prefill writer
+    of ``plan_leaves``' range, below KB (never one leaf per row) and above (top-k); the prefill writer
     with its register cap at the P that has one."""
     from kpool.ops import decode, prefill, score, topk
     jobs = aot.build_jobs(targets=["sm_90"], kernels=["_decode_update_kernel", "_paged_topk_kernel",
@@ -237,11 +237,13 @@ def test_launch_options_the_launchers_use():
     warps = {j.options.get("num_warps") for j in jobs if j.kernel == "_decode_update_kernel"}
     assert warps == {decode.decode_warps(b, n) for b in (1, 1 << 20) for n in (1, 4)} == {1, 2, 4}
     assert {j.options.get("num_warps") for j in jobs if j.kernel == "_paged_topk_kernel"} == {score.NUM_WARPS}
-    # the filtering leaves (score.filters) and the exact ones, filtering only where it can be chosen
-    filt = {(c["FILTER"], c["FINAL"], c["NT"] * c["BN"] <= c["KB"])
+    # the filtering leaves (score.filters: of at most KB pools, and wide ones of 2 x KB) and the exact
+    # ones, filtering only where it can be chosen; one-leaf launches only from KB pools up
+    filt = {(c["FILTER"], c["FINAL"], c["NT"] * c["BN"] // c["KB"])
             for c in (j.constexprs for j in jobs if j.kernel == "_paged_topk_kernel")}
-    assert (True, False, True) in filt and (False, False, True) in filt
-    assert not any(f and (final or not keeps_all) for f, final, keeps_all in filt)
+    assert {(True, False, 0), (True, False, 1), (True, False, 2), (False, False, 0), (False, True, 1)} <= filt
+    assert not any(f and (final or ratio > 2) for f, final, ratio in filt)
+    assert not any(final and ratio == 0 for _, final, ratio in filt)
     # the scorer's register caps, per (FILTER, ROWS, H), as launch_options sets them on CUDA:
     # capped, and also uncapped (a small grid's, score.small_grid)
     caps = {(c["FILTER"], c["ROWS"], c["H"], j.options.get("maxnreg"))

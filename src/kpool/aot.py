@@ -330,7 +330,7 @@ def _kb_axis():
 
 def _leaf_axis(granule=1, key="CHUNK"):
     """(KB, leaf size under ``key``) at the ends of ``topk.plan_leaves``' range: the smallest
-    leaf (``max(MIN_CHUNK, granule)``, below KB: a one-leaf row emits its pools in order) and the largest
+    leaf (``max(MIN_CHUNK, granule)``, below KB: its list keeps all its keys) and the largest
     (``max(KB, LEAF_BASE, granule)``: the top-k path), and ``2 * KB`` (``score.wide_plan``'s
     filtering leaves)."""
     from .ops import topk
@@ -340,6 +340,14 @@ def _leaf_axis(granule=1, key="CHUNK"):
             if {"KB": kb, key: chunk} not in out:
                 out.append({"KB": kb, key: chunk})
     return out
+
+
+def _leaf_final_axis(granule=1, key="CHUNK"):
+    """``_leaf_axis`` with FINAL (one leaf per row): several leaves of each size, one leaf only
+    from KB pools up (a one-leaf launch below KB sees at most select_k pools per row: its rows
+    are emitted in order, nothing is scored or selected)."""
+    return [dict(leaf, FINAL=final) for leaf in _leaf_axis(granule, key) for final in (False, True)
+            if not final or leaf[key] >= leaf["KB"]]
 
 
 def _survivor_axis(m):
@@ -358,7 +366,7 @@ def _topk_specs(m):
     return {
         "_chunk_topk_kernel": KernelSpec(
             ptrs=dict(x_ptr="fp32", lens_ptr="i32", cand_ptr="i64", count_ptr="i32", out_ptr="i32"),
-            cross=(_leaf_axis(), flag("FINAL")),
+            cross=(_leaf_final_axis(),),
             cycle=(int_ptr_axis("lens_ptr"), axis("lens_stride", (1, "i32")))),
         "_survivors_kernel": KernelSpec(
             ptrs=dict(cand_ptr="i64", lens_ptr="i32", surv_ptr="i64", count_ptr="i32", bound_ptr="i64"),
@@ -384,6 +392,13 @@ def _topk_specs(m):
     }
 
 
+def _scorer_leaf_axis(m):
+    """The fused scorer's leaves (``_leaf_final_axis`` with its tile granule), each that can
+    filter (several leaves of at most 2 x KB pools: ``score.filters``) both filtering and exact."""
+    return [dict(leaf, _filter=f) for leaf in _leaf_final_axis(m.BLOCK_POOLS, "_chunk")
+            for f in ((True, False) if not leaf["FINAL"] and leaf["_chunk"] <= 2 * leaf["KB"] else (False,))]
+
+
 def _filter_derive(m, c):
     """NT, FILTER (only where ``score.filters`` can choose it: several leaves that keep all
     their keys), and the pipeline stages and register cap (``score.pipeline_stages``,
@@ -400,10 +415,8 @@ def _score_specs(m):
         ptrs=dict(q_ptr="u8", w_ptr="fp32", lens_ptr="i64", pt_ptr="i32", kv_ptr="u8", kv_f32_ptr="fp32",
                   cand_ptr="i64", count_ptr="i32", out_ptr="i32", lut_ptr="i32", seq_ptr="i64"),
         cross=(layout_axis(), fp8_axis("FP8_MAX", "FNUZ"), axis("H", SUPPORTED_HEADS)),
-        # _filter has period 3 against ROWS' 2: filtering leaves of one and of two rows; _small
-        # (an uncapped leaf) last, so that the greedy cover keeps the other axes' pairs
-        cycle=(_leaf_axis(m.BLOCK_POOLS, "_chunk"), flag("FINAL"), _PAGE, axis("next_n", (1, "i32")),
-               axis("ROWS", (1, m.MAX_ROWS)), axis("_filter", (True, False, False)),
+        # _small (an uncapped leaf) last, so that the greedy cover keeps the other axes' pairs
+        cycle=(_scorer_leaf_axis(m), _PAGE, axis("next_n", (1, "i32")), axis("ROWS", (1, m.MAX_ROWS)),
                int_ptr_axis("lens_ptr", "pt_ptr", "seq_ptr"), _expand_axis(), axis("_small", (False, False, True))),
         derive=lambda c: _filter_derive(m, c),
         fixed=dict(BN=m.BLOCK_POOLS, ERROR=m.FILTER_ERROR, SHAKE=m.FILTER_SHAKE), target_derive=native_fp8_param,
