@@ -757,6 +757,48 @@ def test_indexer_end_to_end_prefill_and_decode(backend):
     assert cache.length("x") == length and "z" not in cache.requests
 
 
+def test_checkpoint_keys_are_strict():
+    """Under the layer's prefix every key must be the indexer's or a block-fp8 scale of one of its
+    fp8 weights (of the right block shape); anything else raises naming the key."""
+    prefix = "model.layers.3.self_attn.indexer."
+    ckpt = _checkpoint(prefix, 0)
+    wk = ckpt[prefix + "wk.weight"].float()
+    bad = {
+        "unknown key": dict(ckpt, **{prefix + "wq_b.bias": torch.zeros(3)}),
+        "scale without an indexer weight": dict(ckpt, **{prefix + "wq_a.weight_scale_inv": torch.ones(1, 1)}),
+        "scale next to a bf16 weight": dict(ckpt, **{prefix + "wk.weight_scale_inv": torch.ones(1, 1)}),
+        "fp8 weight without its scale": dict(ckpt, **{prefix + "wk.weight": wk.to(FP8)}),
+        "scale of the wrong shape": dict(ckpt, **{prefix + "wk.weight": wk.to(FP8),
+                                                   prefix + "wk.weight_scale_inv": torch.ones(2, 1)}),
+    }
+    for sd in bad.values():
+        with pytest.raises((KeyError, ValueError), match=r"model\.layers\.3\.self_attn\.indexer\.w"):
+            KPoolIndexer.from_checkpoint(sd, prefix)
+
+
+def test_ape_stays_fp32_and_the_cache_owns_its_copy():
+    """``index_kpool_compress_ape`` keeps fp32 through ``.to(dtype)`` / ``.half()``; a cache made by
+    one module does not alias its parameter, so another module's forward on it (even one that
+    raises) leaves the first module's ape alone, and a raising step leaves the cache's ape as
+    it was."""
+    a, b = KPoolIndexer(**SMALL, device="cpu"), KPoolIndexer(**SMALL, device="cpu")
+    with torch.no_grad():
+        a.index_kpool_compress_ape.copy_(torch.randn(4, D) * 0.5)
+        b.index_kpool_compress_ape.copy_(torch.randn(4, D) * 0.5)
+    ape_a = a.index_kpool_compress_ape.detach().clone()
+    for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.to("cpu", torch.bfloat16)):
+        m = cast(KPoolIndexer(**SMALL, device="cpu"))
+        assert m.index_kpool_compress_ape.dtype == torch.float32 and m.wk.weight.dtype != torch.float32
+    cache = a.make_cache(8, page_size=8, max_requests=2, fp8_dtype=FP8, layout="plain")
+    assert cache.ape.data_ptr() != a.index_kpool_compress_ape.data_ptr() and torch.equal(cache.ape, ape_a)
+    h, qr = torch.randn(9, 64).bfloat16(), torch.randn(9, 32).bfloat16()
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        b(cache, ["x"], h, qr, mode="prefill", cu_seqlens=[0, 5])
+    assert torch.equal(cache.ape, ape_a) and torch.equal(a.index_kpool_compress_ape, ape_a)
+    b(cache, ["x"], h, qr, mode="prefill")  # b pools its step with its own ape
+    assert torch.equal(cache.ape, b.index_kpool_compress_ape) and torch.equal(a.index_kpool_compress_ape, ape_a)
+
+
 def test_indexer_rejects_unsupported_geometry():
     """Head counts the scorers do not have and an ``index_topk`` that is not whole pools fail
     at construction, not at the first step after the cache was written."""

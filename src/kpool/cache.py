@@ -121,7 +121,7 @@ class KPoolCache:
         self.pool_size, self.page_size, self.max_spec_tokens = pool_size, page_size, max_spec_tokens
         self.round_scale = round_scale
         self.ring = ring_size(pool_size, max_spec_tokens)
-        self.ape = ape.to(self.device).contiguous()
+        self.ape = ape.to(self.device, copy=True).contiguous()  # the cache's own: no caller's tensor pools for it
         self.kv_cache = torch.zeros((num_pages, page_size, ENTRY_BYTES), dtype=torch.uint8, device=self.device)
         self.tail = torch.zeros((max_requests, 2, self.ring, HEAD_DIM), dtype=torch.bfloat16, device=self.device)
         self._free_pages = list(range(num_pages - 1, -1, -1))

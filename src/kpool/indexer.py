@@ -21,6 +21,8 @@ verify), then returns ``KPoolCache.topk_indices`` for the step's tokens.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -75,7 +77,8 @@ class KPoolIndexer(nn.Module):
         """Build an indexer from a checkpoint ``state_dict`` (keys ``prefix + name``).
 
         ``prefix`` is the layer's indexer prefix, e.g. ``"model.layers.3.self_attn.indexer."``
-        (a missing trailing dot is added); keys outside it are ignored. The geometry
+        (a missing trailing dot is added); keys outside it are ignored, keys under it must be the
+        indexer's (or their block-fp8 scales). The geometry
         (hidden size, q_lora_rank, heads, P) is read off the tensor shapes. Block-fp8 weights
         with a ``weight_scale_inv`` (``[ceil(out/128), ceil(in/128)]``) are dequantized.
         """
@@ -85,7 +88,7 @@ class KPoolIndexer(nn.Module):
         missing = [n for n in _NAMES if n not in sub]
         if missing:
             raise KeyError(f"checkpoint lacks {', '.join(prefix + n for n in missing)}")
-        sub = _dequantize_block_fp8(sub)
+        sub = _dequantize_block_fp8(sub, prefix)
         heads_x_dim, q_lora_rank = sub["wq_b.weight"].shape
         n_heads, hidden = sub["weights_proj.weight"].shape
         pool_size = sub["index_kpool_compress_ape"].shape[0]
@@ -104,10 +107,10 @@ class KPoolIndexer(nn.Module):
         ``device`` defaults to the module's. ``forward`` re-syncs the cache's ape from the
         module, so loading weights after making the cache is fine.
         """
-        ape = self.index_kpool_compress_ape.detach().float()
+        ape = self.index_kpool_compress_ape.detach()
         device = ape.device if device is None else device
         return KPoolCache(num_pages, page_size=page_size, pool_size=self.pool_size, max_requests=max_requests,
-                          max_spec_tokens=max_spec_tokens, ape=ape.to(device), device=device, layout=layout,
+                          max_spec_tokens=max_spec_tokens, ape=ape, device=device, layout=layout,
                           fp8_dtype=fp8_dtype, round_scale=round_scale)
 
     # ------------------------------------------------------------------ math
@@ -163,9 +166,6 @@ class KPoolIndexer(nn.Module):
             raise ValueError(f"q_resid must have shape {list(hidden_states.shape[:-1]) + [self.q_lora_rank]}, "
                              f"got {list(q_resid.shape)}")
         selection_width(self.index_topk, width, self.pool_size)  # before anything is written
-        ape = self.index_kpool_compress_ape.detach()
-        if cache.ape.data_ptr() != ape.data_ptr():
-            cache.ape.copy_(ape)  # the cache pools with this module's (possibly reloaded) ape
         if mode == "prefill":
             if hidden_states.ndim != 2:
                 raise ValueError(f"prefill hidden_states must be packed [T, hidden], got {list(hidden_states.shape)}")
@@ -174,7 +174,8 @@ class KPoolIndexer(nn.Module):
                     raise ValueError("prefill of several requests needs cu_seqlens")
                 cu_seqlens = [0, hidden_states.shape[0]]
             q, k, weights, gate = self.project(hidden_states, q_resid)
-            cache.prefill(request_ids, k, gate, cu_seqlens=cu_seqlens)
+            with self._pooling_ape(cache):
+                cache.prefill(request_ids, k, gate, cu_seqlens=cu_seqlens)
         else:
             if cu_seqlens is not None:
                 raise ValueError("cu_seqlens is for mode='prefill'; decode takes [B, next_n, hidden]")
@@ -184,27 +185,63 @@ class KPoolIndexer(nn.Module):
                                  f"[B, hidden], got {list(hidden_states.shape)}")
             batch, next_n = h3.shape[:2]
             q, k, weights, gate = self.project(h3.reshape(batch * next_n, -1), q_resid.reshape(batch * next_n, -1))
-            cache.decode(request_ids, k.view(batch, next_n, HEAD_DIM), gate.view(batch, next_n, HEAD_DIM))
+            with self._pooling_ape(cache):
+                cache.decode(request_ids, k.view(batch, next_n, HEAD_DIM), gate.view(batch, next_n, HEAD_DIM))
         return cache.topk_indices(request_ids, q.contiguous(), weights, index_topk=self.index_topk, width=width)
+
+    @contextlib.contextmanager
+    def _pooling_ape(self, cache: KPoolCache):
+        """The cache pools the step with this module's (possibly reloaded) ape; a step that
+        raises (before writing anything) leaves the cache's ape as it was."""
+        before = cache.ape.clone()
+        cache.ape.copy_(self.index_kpool_compress_ape.detach())
+        try:
+            yield
+        except BaseException:
+            cache.ape.copy_(before)
+            raise
+
+    def _apply(self, fn, recurse=True):
+        """``.to()`` / ``.cuda()`` / ``.half()`` move ``index_kpool_compress_ape`` but keep it fp32
+        (the pooling softmax's bias is fp32 in the checkpoint and in SPEC §2)."""
+        ape = self._parameters.pop("index_kpool_compress_ape")
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            self._parameters["index_kpool_compress_ape"] = ape
+        ape.data = ape.data.to(fn(ape.data[:0]).device)
+        return self
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, q_lora_rank={self.q_lora_rank}, n_heads={self.n_heads}, "
                 f"pool_size={self.pool_size}, index_topk={self.index_topk}")
 
 
-def _dequantize_block_fp8(sub: dict) -> dict:
-    """Replace fp8 ``<name>.weight`` + ``<name>.weight_scale_inv`` (one scale per 128 x 128 block)
-    by the dequantized fp32 weight; other tensors pass through."""
-    out = dict(sub)
-    for key in list(sub):
-        if not key.endswith(".weight_scale_inv"):
+def _dequantize_block_fp8(sub: dict, prefix: str) -> dict:
+    """Replace fp8 ``<name>.weight`` + ``<name>.weight_scale_inv`` (one scale per 128 x 128 block,
+    ``[ceil(out/128), ceil(in/128)]``) by the dequantized fp32 weight; other tensors pass
+    through. A key that is none of the indexer's, an fp8 weight without its scale or a scale
+    without an fp8 weight, or a scale of the wrong shape, raises naming the key."""
+    fp8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+    scales = {k[: -len("_scale_inv")]: k for k in sub if k.endswith(".weight_scale_inv")}
+    scales = {w: k for w, k in scales.items() if w in _NAMES}  # others: unknown keys below
+    unknown = [k for k in sub if k not in _NAMES and k not in scales.values()]
+    if unknown:
+        raise KeyError(f"checkpoint has keys the indexer does not hold: {', '.join(prefix + k for k in unknown)}")
+    out = {k: v for k, v in sub.items() if k not in scales.values()}
+    for wkey, weight in list(out.items()):
+        if (weight.dtype in fp8) != (wkey in scales):
+            raise ValueError(f"{prefix}{wkey} is {weight.dtype}: "
+                             + ("block-fp8 weights need their weight_scale_inv" if weight.dtype in fp8 else
+                                f"{prefix}{scales[wkey]} scales block-fp8 weights only"))
+        if weight.dtype not in fp8:
             continue
-        wkey = key[: -len("_scale_inv")]
-        weight, scale = sub.get(wkey), sub[key]
-        del out[key]
-        if weight is None or weight.dtype not in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
-            continue
+        scale = sub[scales[wkey]]
         rows, cols = weight.shape
+        want = (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
+        if tuple(scale.shape) != want:
+            raise ValueError(f"{prefix}{scales[wkey]} must have shape {list(want)} for a {list(weight.shape)} "
+                             f"weight, got {list(scale.shape)}")
         s = scale.float().repeat_interleave(FP8_BLOCK, 0)[:rows].repeat_interleave(FP8_BLOCK, 1)[:, :cols]
         out[wkey] = weight.float() * s
     return out
