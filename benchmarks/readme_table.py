@@ -20,6 +20,7 @@ from pathlib import Path
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 TARGETS_START, TARGETS_END = "<!-- targets:start -->", "<!-- targets:end -->"
 GROUPED = 6  # a target judged on more records than this is one summary row
+MARKS = {True: "✅", False: "❌", None: "?"}  # a target met, missed, not judged
 # Which of our implementations each op's main table shows, in order.
 PRIMARY = {"compress": ["ours"], "prefill": ["ours"], "expand": ["ours"], "seed_tail": ["ours_per_request", "ours"],
            "score": ["ours"]}
@@ -48,7 +49,7 @@ def _status(rec):
     ts = rec.get("targets") or []
     if not ts:
         return ""
-    return "; ".join(f"{t['text']} {({True: '✅', False: '❌', None: '?'})[t['ok']]}" for t in ts)
+    return "; ".join(f"{t['text']} {MARKS[t['ok']]}" for t in ts)
 
 
 def _cell_err(rec):
@@ -176,7 +177,6 @@ def targets_table(doc) -> list[str]:
             groups.setdefault((r["op"], t["text"]), []).append((t, r))
     if not groups:
         return []
-    marks = {True: "✅", False: "❌", None: "?"}
     lines = ["| op | case | target | measured | met |", "|---|---|---|---:|---|"]
     for (op, text), judged in groups.items():
         name = OP_NAMES.get(op, op)
@@ -184,12 +184,12 @@ def targets_table(doc) -> list[str]:
             ok = [t["ok"] for t, _ in judged]
             speedups = [r["speedup_vs_seed"] for _, r in judged if r.get("speedup_vs_seed")]
             worst = f" (least speedup over the seed {min(speedups):.2f}×)" if speedups else ""
-            met = marks[True if all(ok) else (False if False in ok else None)]
+            met = MARKS[True if all(ok) else (False if False in ok else None)]
             lines.append(f"| {name} | {len(judged)} cases | {text} | {sum(o is True for o in ok)} met{worst} | {met} |")
             continue
         for t, r in judged:
             impl = "" if r["impl"] == "ours" else f", {IMPL_NAMES.get(r['impl'], r['impl'])}"
-            lines.append(f"| {name} | {r['case']}{impl} | {text} | {_measured(t, r)} | {marks[t['ok']]} |")
+            lines.append(f"| {name} | {r['case']}{impl} | {text} | {_measured(t, r)} | {MARKS[t['ok']]} |")
     return lines
 
 

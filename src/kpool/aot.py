@@ -400,10 +400,10 @@ def _scorer_leaf_axis(m):
 
 
 def _filter_derive(m, c):
-    """NT, FILTER (only where ``score.filters`` can choose it: several leaves that keep all
-    their keys), and the pipeline stages and register cap (``score.pipeline_stages``,
+    """NT, FILTER (``_scorer_leaf_axis``' ``_filter``: only where ``score.filters`` can choose
+    it), and the pipeline stages and register cap (``score.pipeline_stages``,
     ``score.max_regs``; uncapped in ``_small`` cases, as a small grid's) that launch gets."""
-    filt = c["_filter"] and not c["FINAL"] and c["_chunk"] <= 2 * c["KB"]
+    filt = c["_filter"]
     return dict(NT=c["_chunk"] // m.BLOCK_POOLS, FILTER=filt, STAGES=m.pipeline_stages(filt),
                 _opt_maxnreg=m.max_regs(filt, c["ROWS"], c["H"], c["_small"]))
 

@@ -208,15 +208,22 @@ def check_token_range(name: str, ids, pool_size: int, valid=None, topk_offsets=N
         return
     live = ids if valid is None else torch.where(valid, ids, -1)
     check_index_range(name, live, MAX_TOKENS // pool_size, "pool ids whose token ids fit int32")
-    _check_offset_range(int(live.max()) * pool_size + pool_size - 1, topk_offsets)
+    if topk_offsets is not None:
+        _check_offset_range(int(live.max()) * pool_size + pool_size - 1, topk_offsets)
 
 
 def _check_offset_range(top_token: int, topk_offsets) -> None:
-    """Token ids up to ``top_token`` plus ``topk_offsets`` (if given) must stay below 2^31."""
-    if topk_offsets is not None and topk_offsets.numel():
+    """Token ids up to ``top_token`` plus ``topk_offsets`` must stay below 2^31."""
+    if topk_offsets.numel():
         top = top_token + int(topk_offsets.max())
         if top >= MAX_TOKENS:
             raise ValueError(f"topk_offsets maps token ids up to {top}, past the int32 output (< 2^31)")
+
+
+def _check_seq_lens(seq_lens, rows: int, device) -> None:
+    """int ``seq_lens [rows]`` whose tail token ids (below each length) fit int32."""
+    check_tensor("seq_lens", seq_lens, dtype=INT_DTYPES, shape=(rows,), device=device)
+    check_index_range("seq_lens", seq_lens, MAX_TOKENS, "int32 token ids")
 
 
 def check_expansion(seq_lens, pool_size, width, rows: int, n_pools: int, device) -> int:
@@ -224,8 +231,7 @@ def check_expansion(seq_lens, pool_size, width, rows: int, n_pools: int, device)
     pool ids per row (``expand_pools_and_append_tail``); returns ``width`` (None: the
     ``natural_width``)."""
     check_pool_size(pool_size)
-    check_tensor("seq_lens", seq_lens, dtype=INT_DTYPES, shape=(rows,), device=device)
-    check_index_range("seq_lens", seq_lens, MAX_TOKENS, "int32 token ids")
+    _check_seq_lens(seq_lens, rows, device)
     natural = natural_width(n_pools, pool_size)
     if width is None:
         return natural
@@ -379,11 +385,10 @@ def append_tail_to_topk(topk_result, seq_lens, pool_lens, pool_size, page_table=
     check_tensor("topk_result", topk_result, dtype=torch.int32, ndim=2)
     device = topk_result.device
     rows, n_cols = topk_result.shape
-    check_tensor("seq_lens", seq_lens, dtype=INT_DTYPES, shape=(rows,), device=device)
+    _check_seq_lens(seq_lens, rows, device)
     check_tensor("pool_lens", pool_lens, dtype=INT_DTYPES, shape=(rows,), device=device)
-    check_index_range("seq_lens", seq_lens, MAX_TOKENS, "int32 token ids")
     _check_mapping(rows, device, page_table, topk_offsets)
-    if rows and range_checks_enabled():
+    if topk_offsets is not None and rows and range_checks_enabled():
         _check_offset_range(int(seq_lens.max()) - 1, topk_offsets)
     if pool_size == 1:
         return topk_result
