@@ -795,8 +795,12 @@ def test_ape_stays_fp32_and_the_cache_owns_its_copy():
     with pytest.raises(ValueError, match="cu_seqlens"):
         b(cache, ["x"], h, qr, mode="prefill", cu_seqlens=[0, 5])
     assert torch.equal(cache.ape, ape_a) and torch.equal(a.index_kpool_compress_ape, ape_a)
-    b(cache, ["x"], h, qr, mode="prefill")  # b pools its step with its own ape
+    b(cache, ["x"], h, qr, mode="prefill")  # b pools its step with its own ape: the bytes of b's own cache
     assert torch.equal(cache.ape, b.index_kpool_compress_ape) and torch.equal(a.index_kpool_compress_ape, ape_a)
+    own = b.make_cache(8, page_size=8, max_requests=2, fp8_dtype=FP8, layout="plain")
+    b(own, ["x"], h, qr, mode="prefill")
+    assert torch.equal(cache.kv_cache, own.kv_cache)
+    assert torch.equal(cache.tail.view(torch.int16), own.tail.view(torch.int16))
 
 
 def test_indexer_rejects_unsupported_geometry():
