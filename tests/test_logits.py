@@ -507,3 +507,29 @@ def test_ragged_validation(backend, device):
         call(ke=ke + 1)
     with pytest.raises(TypeError, match="ke"):
         call(ke=ke.float())
+
+
+def test_empty_inputs(backend, device):
+    """No rows, no pools, or no pages: correctly shaped results (-inf where rows see nothing)."""
+    fp8 = torch.float8_e4m3fn
+    kv, _, _ = make_cache(2, 64, fp8, seed=3, device=device)
+    heads = 16
+
+    def paged(batch, max_pages, max_pools=None):
+        q = rand_codes((batch, 2, heads, 128), fp8, seed=4).to(device)
+        w = weights((batch, 2, heads), seed=5).to(device)
+        lens = torch.zeros((batch, 2), dtype=torch.int32, device=device)
+        pt = torch.zeros((batch, max_pages), dtype=torch.int32, device=device)
+        return paged_pool_logits(q, kv, w, lens, pt, max_pools=max_pools)
+
+    assert paged(0, 2).shape == (0, 128)
+    assert paged(3, 2, max_pools=0).shape == (6, 0)
+    no_pages = paged(3, 0, max_pools=5)  # nothing is visible: every logit is -inf
+    assert torch.equal(no_pages.cpu(), torch.full((6, 5), float("-inf")))
+    for n_q, n_keys in ((0, 7), (5, 0)):
+        q = rand_codes((n_q, heads, 128), fp8, seed=6).to(device)
+        k = rand_codes((n_keys, 128), fp8, seed=7).to(device)
+        zero = torch.zeros((n_q,), dtype=torch.int32, device=device)
+        got = ragged_pool_logits(q, k, torch.ones(n_keys, device=device), weights((n_q, heads), seed=8).to(device),
+                                 zero, zero)
+        assert got.shape == (n_q, n_keys) and got.dtype == torch.float32

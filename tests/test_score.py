@@ -103,6 +103,19 @@ def test_layouts_small_pages(backend, device, layout):
              select_k=16, fp8_dtype=torch.float8_e4m3fnuz, layout=layout, seed=9)
 
 
+def test_no_rows(backend, device):
+    """A batch of no requests: ``[0, select_k]`` ids, or ``[0, width]`` tokens with ``expand``."""
+    fp8 = torch.float8_e4m3fn
+    kv, _, _ = make_cache(2, 64, fp8, seed=9, device=device)
+    q = rand_codes((0, 2, 32, 128), fp8, seed=10).to(device)
+    w = weights((0, 2, 32), seed=11).to(device)
+    lens = torch.zeros((0, 2), dtype=torch.int32, device=device)
+    pt = torch.zeros((0, 2), dtype=torch.int32, device=device)
+    ids = paged_pool_topk(q, kv, w, lens, pt, 16)
+    assert ids.shape == (0, 16) and ids.dtype == torch.int32
+    toks = paged_pool_topk(q, kv, w, lens, pt, 16, expand=(torch.zeros((0,), dtype=torch.int32, device=device), 4, 128))
+    assert toks.shape == (0, 128) and toks.dtype == torch.int32
+
 def test_validation(backend, device):
     q = torch.zeros(1, 1, 16, 128, dtype=torch.uint8, device=device)
     kv = torch.zeros(2, 64, 132, dtype=torch.uint8, device=device)

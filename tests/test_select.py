@@ -393,3 +393,17 @@ def test_validation_device_mismatch(backend):
     ids = torch.zeros((3, 4), dtype=torch.int32)
     with pytest.raises(ValueError, match="seq_lens"):
         sel.expand_pools_and_append_tail(ids, meta, 4)
+
+
+def test_selection_helpers_take_empty_inputs(backend, device):
+    """Zero rows / ids / page-table columns: correctly shaped empty results, nothing launched."""
+    i32 = dict(dtype=torch.int32, device=device)
+    got = sel.append_tail_to_topk(torch.zeros((0, 8), **i32), torch.zeros((0,), **i32), torch.zeros((0,), **i32), 4)
+    assert got.shape == (0, 11) and got.dtype == torch.int32
+    pt = torch.zeros((3, 0), dtype=torch.int64, device=device)
+    got = sel.build_pooled_page_table(pt, 4)
+    assert got.shape == (3, 0) and got.dtype == torch.int64
+    table = torch.arange(8, dtype=torch.int64, device=device)
+    for shape in ((0,), (2, 0)):
+        got = sel.compute_pooled_write_locs(table, torch.zeros(shape, **i32), 4)
+        assert got.shape == shape and got.dtype == torch.int64

@@ -305,3 +305,7 @@ def test_survivor_count_limit():
     lens = torch.empty((1,), dtype=torch.int64, device="meta")
     with pytest.raises(ValueError, match="n_cols"):
         topk.survivors(cand, lens.to(torch.int32), chunk, lens, n_lists * chunk, 512)
+
+
+def test_no_rows(backend, device):
+    check(torch.zeros((0, 300)), torch.zeros((0,), dtype=torch.int32), 7, device)

@@ -174,16 +174,16 @@ def expand_pools_to_tokens(group_ids, group_valid, topk, pool_size, page_table=N
 
 def append_tail_to_topk(topk_result, seq_lens, pool_lens, pool_size, page_table=None, topk_offsets=None):
     """Append the ``seq_len - pool_len*P`` tail tokens (at most ``P-1``) after each row's own
-    history. Negative ``seq_lens`` / ``pool_lens`` (padding rows) count as 0."""
+    history (``topk_result`` int32 ``[rows, n_cols]``). Negative ``seq_lens`` / ``pool_lens``
+    (padding rows) count as 0."""
     if pool_size == 1:
         return topk_result
-    rows = topk_result.shape[0]
     start = pool_lens.to(torch.int64).clamp_min(0) * pool_size
     j = torch.arange(pool_size - 1, device=topk_result.device, dtype=torch.int64)
     tokens = start[:, None] + j
     valid = j[None, :] < (seq_lens.to(torch.int64).clamp_min(0) - start)[:, None]
     tail = _map_tokens(tokens, valid, page_table, topk_offsets)
-    return torch.cat((topk_result.reshape(rows, -1), tail), dim=1)
+    return torch.cat((topk_result, tail), dim=1)
 
 
 def build_pooled_page_table(page_table, pool_size):
