@@ -267,6 +267,37 @@ def test_empty_batch(backend, device):
     assert_bytes_equal(cache.buf, before.buf, "kv_cache buffer after an empty batch")
 
 
+
+def test_rocm_default_layout_is_plain_for_one_entry_pages(monkeypatch):
+    """ROCm's default layout is the preshuffled one, except at PAGE = 1 (no 16-state tile),
+    which the seed writes plain: a drop-in call there writes plain instead of raising."""
+    from kpool import layout
+    monkeypatch.setattr(layout, "is_rocm", lambda: True)
+    assert [layout.default_layout("cuda", page) for page in (64, 16, 1)] == ["preshuffle", "preshuffle", "plain"]
+    assert layout.default_layout("cpu", 64) == "plain"
+
+
+def test_default_layout_follows_the_page_size(backend, device, monkeypatch):
+    """Every writer and reader resolves the default layout from the cache's PAGE (here a fake
+    platform default: preshuffle except at PAGE = 1, as on ROCm)."""
+    from kpool import layout
+    monkeypatch.setattr(layout, "default_layout", lambda dev=None, page_size=None: (
+        "plain" if page_size == 1 else "preshuffle"))
+    k, s, ape = make_pools(5, 4, device, seed=71)
+    for page, want in ((1, "plain"), (16, "preshuffle")):
+        loc = make_loc(5, 8 * page, device, seed=72)
+        got, explicit = Cache(8, page, device, seed=73), Cache(8, page, device, seed=73)
+        kpool.kpool_compress_and_write_cache(got.kv, k, s, ape, loc, 4)
+        kpool.kpool_compress_and_write_cache(explicit.kv, k, s, ape, loc, 4, layout=want)
+        assert_bytes_equal(got.buf, explicit.buf, f"kv_cache buffer, PAGE={page}, default layout")
+        cache = kpool.KPoolCache(2, page_size=page, pool_size=4, max_requests=1, ape=ape, device=device)
+        assert cache.layout == want
+    q = torch.zeros((1, 1, 16, 128), dtype=torch.uint8, device=device)
+    w = torch.zeros((1, 1, 16), device=device)
+    pt = torch.zeros((1, 2), dtype=torch.int32, device=device)
+    lens = torch.full((1, 1), 2, dtype=torch.int32, device=device)
+    assert kpool.paged_pool_logits(q, Cache(2, 1, device, seed=74).kv, w, lens, pt).shape == (1, 2)
+
 @pytest.mark.parametrize("fp8_name", list(FP8))
 def test_round_scale_false(backend, device, fp8_name):
     fp8, pool, n = FP8[fp8_name], 4, 9

@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from .layout import ENTRY_BYTES, HEAD_DIM, TILE
+from .layout import ENTRY_BYTES, HEAD_DIM, TILE, resolve_layout
 
 INT_DTYPES = (torch.int32, torch.int64)
 DEVICE_TYPES = ("cpu", "cuda")  # torch device types kpool runs on ("cuda" includes ROCm builds)
@@ -104,8 +104,9 @@ def check_slot_count(name: str, slots: int) -> None:
                          "(2^31, 32-bit slot arithmetic)")
 
 
-def check_kv_cache(kv_cache, layout: str, device) -> None:
-    """``kv_cache [num_pages, PAGE, 132] uint8`` with 4-byte-aligned pages and unit inner strides."""
+def check_kv_cache(kv_cache, layout: str | None, device) -> str:
+    """``kv_cache [num_pages, PAGE, 132] uint8`` with 4-byte-aligned pages and unit inner strides;
+    returns ``layout`` resolved for the device and PAGE (``layout.resolve_layout``)."""
     check_tensor("kv_cache", kv_cache, dtype=torch.uint8, ndim=3, device=device)
     if kv_cache.shape[2] != ENTRY_BYTES:
         raise ValueError(f"kv_cache must have last dim {ENTRY_BYTES} (128 key bytes + 4 scale bytes), "
@@ -119,8 +120,10 @@ def check_kv_cache(kv_cache, layout: str, device) -> None:
         raise ValueError("kv_cache pages must start on 4-byte boundaries (fp32 scales): "
                          f"stride(0) = {kv_cache.stride(0)}, storage_offset = {kv_cache.storage_offset()}")
     check_slot_count("kv_cache", kv_cache.shape[0] * page)
+    layout = resolve_layout(layout, device, page)
     if layout == "preshuffle" and page % TILE:
         raise ValueError(f"layout='preshuffle' needs a page size that is a multiple of {TILE}, got {page}")
+    return layout
 
 
 def check_tail(tail, pool_size: int, device) -> int:

@@ -112,7 +112,7 @@ class KPoolCache:
         if not isinstance(max_spec_tokens, int) or isinstance(max_spec_tokens, bool) or max_spec_tokens < 0:
             raise ValueError(f"max_spec_tokens must be a non-negative int, got {max_spec_tokens!r}")
         check_slot_count("num_pages * page_size", num_pages * page_size)  # before allocating
-        self.layout = resolve_layout(layout, self.device)
+        self.layout = resolve_layout(layout, self.device, page_size)
         if self.layout == "preshuffle" and page_size % 16:
             raise ValueError(f"layout='preshuffle' needs page_size % 16 == 0, got {page_size}")
         self.fp8_dtype = resolve_fp8_dtype(fp8_dtype, self.device)

@@ -37,10 +37,11 @@ def _gcn_arch(device: torch.device | None) -> str:
     return torch.cuda.get_device_properties(device or 0).gcnArchName
 
 
-def default_layout(device: torch.device | str | None = None) -> str:
-    """``preshuffle`` on ROCm GPUs, ``plain`` everywhere else."""
+def default_layout(device: torch.device | str | None = None, page_size: int | None = None) -> str:
+    """``preshuffle`` on ROCm GPUs, ``plain`` everywhere else, and for one-entry pages
+    (``page_size == 1``: no 16-state tile; the seed writes those plain too)."""
     dev = torch.device(device) if device is not None else None
-    if is_rocm() and (dev is None or dev.type == "cuda"):
+    if is_rocm() and (dev is None or dev.type == "cuda") and page_size != 1:
         return "preshuffle"
     return "plain"
 
@@ -58,9 +59,10 @@ def fp8_max(fp8_dtype: torch.dtype) -> float:
     return float(torch.finfo(fp8_dtype).max)
 
 
-def resolve_layout(layout: str | None, device) -> str:
+def resolve_layout(layout: str | None, device, page_size: int | None = None) -> str:
+    """``layout``, or ``default_layout(device, page_size)`` when it is None."""
     if layout is None:
-        return default_layout(device)
+        return default_layout(device, page_size)
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     return layout

@@ -119,10 +119,9 @@ def kpool_compress_and_write_cache(kv_cache, slot_k, slot_score, ape, loc, pool_
     check_tensor("ape", ape, dtype=torch.float32, shape=(pool_size, HEAD_DIM), device=device, inner_contiguous=True)
     if not (write_cache or return_compressed):
         raise ValueError("nothing to do: write_cache=False and return_compressed=False")
-    layout = resolve_layout(layout, device)
     fp8_dtype = resolve_fp8_dtype(fp8_dtype, device)
+    layout = check_kv_cache(kv_cache, layout, device) if write_cache else resolve_layout(layout, device)
     if write_cache:
-        check_kv_cache(kv_cache, layout, device)
         check_tensor("loc", loc, dtype=INT_DTYPES, shape=(n,), device=device)
         check_index_range("loc", loc, kv_cache.shape[0] * kv_cache.shape[1], "cache slots")
     if write_mask is not None:

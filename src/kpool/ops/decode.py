@@ -23,7 +23,7 @@ from .. import reference
 from .._backend import backend_for, native_fp8, pdl_launch, row_select
 from .._checks import (INT_DTYPES, check_bool, check_head_dim, check_index_range, check_kv_cache,
                        check_pool_size, check_tail, check_tensor)
-from ..layout import HEAD_DIM, fp8_max, resolve_fp8_dtype, resolve_layout
+from ..layout import HEAD_DIM, fp8_max, resolve_fp8_dtype
 from . import _jit, _pdl
 
 SMALL_BATCH = 256  # requests; up to this many, a program (one request) gets 4 warps
@@ -191,9 +191,8 @@ def kpool_decode_update_and_maybe_write_cache_batched(kv_cache, tail_kv_cache, t
     for name, t in (("tail_slot_mapping", tail_slot_mapping), ("slot_mapping", slot_mapping),
                     ("positions", positions)):
         check_tensor(name, t, dtype=INT_DTYPES, shape=(num_req, next_n), device=device)
-    layout = resolve_layout(layout, device)
     fp8_dtype = resolve_fp8_dtype(fp8_dtype, device)
-    check_kv_cache(kv_cache, layout, device)
+    layout = check_kv_cache(kv_cache, layout, device)
     ring = check_tail(tail_kv_cache, pool_size, device)
     if next_n - 1 > ring - pool_size:
         raise ValueError(f"tail_kv_cache ring size RING = {ring} is too small for steps of next_n = {next_n} tokens "

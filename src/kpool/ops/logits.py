@@ -48,7 +48,7 @@ import triton.language as tl
 from .. import reference
 from .._backend import backend_for, native_fp8, pdl_launch
 from .._checks import INT_DTYPES, check_kv_cache, check_tensor, range_checks_enabled
-from ..layout import FP8_DTYPES, HEAD_DIM, resolve_fp8_dtype, resolve_layout
+from ..layout import FP8_DTYPES, HEAD_DIM, resolve_fp8_dtype
 from . import _jit, _jit_fp8, _pdl, topk
 from ._jit_fp8 import halves_table
 
@@ -428,8 +428,7 @@ def check_paged_args(q_fp8, kv_cache, weights, pool_lens, page_table, layout, fp
         raise ValueError(f"q_fp8 must have shape [B, next_n, H, {HEAD_DIM}], got {list(q_fp8.shape)}")
     check_heads("q_fp8", heads)
     fp8_dtype = code_format({"q_fp8": q_fp8}, fp8_dtype, device)
-    layout = resolve_layout(layout, device)
-    check_kv_cache(kv_cache, layout, device)
+    layout = check_kv_cache(kv_cache, layout, device)
     check_tensor("weights", weights, dtype=torch.float32, shape=(batch, next_n, heads), device=device)
     check_tensor("pool_lens", pool_lens, dtype=INT_DTYPES, shape=(batch, next_n), device=device)
     check_tensor("page_table", page_table, dtype=INT_DTYPES, ndim=2, device=device)
