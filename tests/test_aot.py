@@ -262,6 +262,19 @@ def test_launch_options_the_launchers_use():
     assert caps == {(p, prefill.MAX_REGS.get(p)) for p in (4, 16)} and prefill.MAX_REGS
 
 
+
+def test_decode_steps_are_the_ones_the_launcher_takes():
+    """Every decode job is a (P, RING, step) the launcher accepts (RING a multiple of P, at
+    least P + next_n - 1 for the step's largest next_n), and the steps of KPoolCache's rings
+    (1, 2, 4, 8 tokens at ``ring_size(P, next_n - 1)``) are all compiled."""
+    from kpool.layout import ring_size
+    from kpool.ops import decode
+    shapes = {(c["P"], c["RING"], c.get("next_n", "i32"), c["NB"]) for c in (j.constexprs for j in aot.build_jobs(
+        targets=["sm_90"], kernels=["_decode_update_kernel"]))}
+    assert all(ring % p == 0 and ring >= p + nb - 1 for p, ring, _, nb in shapes)
+    assert all((next_n == 1) == (nb == 1) and decode.step_tiles(nb, p)["NB"] == nb for p, _, next_n, nb in shapes)
+    assert {(p, ring_size(p, n - 1), n) for p in (4, 16) for n in (1, 2, 4, 8)} <= {(p, r, nb) for p, r, _, nb in shapes}
+
 def test_register_caps_apply_to_cuda_only(monkeypatch):
     """The launchers' ``maxnreg`` (``_backend.register_cap``): set on CUDA targets, never on
     ROCm or the interpreter, not for a P without a cap, nor under ``KPOOL_REGISTER_CAP=0``."""

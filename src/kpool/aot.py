@@ -226,14 +226,24 @@ def _prefill_specs(m):
         options=dict(enable_fp_fusion=False, num_warps=m.NUM_WARPS))}
 
 
+def decode_step_axis():
+    """(P, RING, next_n, NB) the launcher accepts: next_n = 1 (specialized by the JIT) at
+    RING = P and 2P; verify steps of up to NB = next_pow2(next_n) tokens at the smallest
+    ring that holds their drafts, ``layout.ring_size(P, NB - 1)`` (RING >= P + next_n - 1)."""
+    from .layout import ring_size
+    out = []
+    for p in _pool_sizes():
+        out += [dict(P=p, RING=r, next_n=1, NB=1) for r in sorted({ring_size(p), ring_size(p, 1)})]
+        out += [dict(P=p, RING=ring_size(p, nb - 1), next_n="i32", NB=nb) for nb in (2, 4, 8)]
+    return out
+
+
 def _decode_specs(m):
-    # next_n == 1 is specialized by the launcher's JIT; NB = next_pow2(next_n)
-    steps = [dict(next_n=1, NB=1), dict(next_n="i32", NB=4), dict(next_n="i32", NB=8)]
     return {"_decode_update_kernel": KernelSpec(
         ptrs=dict(kv_ptr="u8", kv_f32_ptr="fp32", tail_ptr="bf16", key_ptr="bf16", g_ptr="bf16", ape_ptr="fp32",
                   ts_ptr="i64", loc_ptr="i64", pos_ptr="i64"),
-        cross=(pool_ring_axis(), layout_axis(), fp8_axis("FP8_MAX", "FNUZ")),
-        cycle=(steps, flag("ROUND_SCALE"), _PAGE, int_ptr_axis("ts_ptr", "loc_ptr", "pos_ptr"),
+        cross=(decode_step_axis(), layout_axis(), fp8_axis("FP8_MAX", "FNUZ")),
+        cycle=(flag("ROUND_SCALE"), _PAGE, int_ptr_axis("ts_ptr", "loc_ptr", "pos_ptr"),
                axis("_opt_num_warps", sorted({m.decode_warps(b, n) for b in (1, 1 << 20) for n in (1, 4)}))),
         derive=lambda c: dict(NC=m.step_tiles(c["NB"], c["P"])["NC"]),  # as the launcher
         target_derive=ring_writer_params, options=dict(enable_fp_fusion=False))}
