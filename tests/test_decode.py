@@ -540,6 +540,38 @@ def test_unchecked_out_of_range_slots_write_nothing(backend, device, monkeypatch
     sc.apply(a)
 
 
+def test_unchecked_out_of_range_pool_slot_on_the_in_order_walk(backend, device, monkeypatch):
+    """As above, on the in-order walk (next_n = 1, and a step led by a padding row): a pool
+    slot one past the cache is skipped there too (the guard bytes after the view compared)."""
+    monkeypatch.setenv("KPOOL_CHECK", "0")
+    for seed, next_n, rows in ((44, 1, [[0]]), (45, 2, [[1]])):
+        sc = Sched(device, seed, 4, spec_ring(4, next_n), 32, "plain", FN, 1, max_pos=12, kv_pad=8)
+        sc.start(0, 3)
+        a = sc.step(rows, next_n)  # position 3 completes pool 0
+        a["loc"][0, next_n - 1] = sc.num_pages * sc.page
+        sc.apply(a)
+
+
+def test_consecutive_positions_in_two_blocks(backend, device):
+    """A row carrying two requests whose positions happen to continue each other (6, 7 in
+    block 3, then 8, 9 in block 1) is not one request's regular step: each token is stashed
+    in its own block and each completion reads its own ring."""
+    P, ring = 4, 8
+    sc = Sched(device, 8, P, ring, 32, "plain", FN, 2, max_pos=24, spare_blocks=2)
+    sc.blocks = [3, 1]
+    sc.start(0, 6)
+    sc.start(1, 8)
+    a = sc.step([[0, 1], [2, 3]], 4)  # request 0: row 0 cols 0-1 (6, 7); request 1: row 1 cols 2-3 (8, 9)
+    for name in ("ts", "loc", "pos", "key", "gate"):  # request 1's tokens into row 0
+        a[name][0, 2:] = a[name][1, 2:]
+        if name in ("ts", "loc", "pos"):
+            a[name][1, :] = -1
+    assert a["pos"][0].tolist() == [6, 7, 8, 9]
+    sc.apply(a)  # whole kv / ring buffers vs the per-token oracle
+    tail = sc.tail(sc.lib_tail_base)
+    assert torch.equal(tail[1, 0, 8 % ring].cpu(), sc.keys[1, 8]) and torch.equal(tail[1, 0, 9 % ring].cpu(), sc.keys[1, 9])
+
+
 def test_determinism(backend, device):
     """The same step twice from the same buffers: identical bytes."""
     outs = []

@@ -8,12 +8,14 @@ and next to every rounding boundary. Comparisons are bit for bit.
 import fractions
 import math
 
+import numpy as np
 import pytest
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import interpreter
 
-from kpool import _backend, numerics
+from kpool import _backend, _interpreter, numerics
 from kpool.layout import AMAX_FLOOR, HADAMARD_SCALE, fp8_max
 from kpool.ops import _jit
 
@@ -197,6 +199,29 @@ def test_fp8_encode_matches_torch(fp8_dtype, encoder, device):
     assert numerics.fp8_encode(nans, fp8_dtype).tolist() == [nan_code] * 5
 
 
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e4m3fnuz], ids=["e4m3fn", "e4m3fnuz"])
+def test_native_encoder_saturates_before_converting(fp8_dtype, device, monkeypatch):
+    """The native encoder clamps to ±FP8_MAX itself: a conversion without satfinite (AMD's)
+    gives NaN past the range. The interpreter's conversion (kpool's, which saturates) is
+    replaced here by one that does not; on a GPU the target's own conversion runs."""
+    if _backend.interpreting():
+        exact = interpreter._convert_float
+
+        def non_saturating(input, input_dtype, output_dtype, rounding_mode):
+            dst = _interpreter._torch_dtype(output_dtype)
+            if dst in _interpreter._FP8 and input_dtype.primitive_bitwidth == 32:
+                arr = np.asarray(input, dtype=np.float32)
+                input = np.where(np.abs(arr) > float(torch.finfo(dst).max), np.float32(np.nan), arr)
+            return exact(input, input_dtype, output_dtype, rounding_mode)
+
+        monkeypatch.setattr(interpreter, "_convert_float", non_saturating)
+    m = fp8_max(fp8_dtype)
+    x = torch.tensor([m, -m, m * 1.01, -m * 1.01, m * 4, -m * 4, 1e30, -1e30, math.inf, -math.inf, 1.0, -0.5])
+    got = _run_elementwise(_fp8_encode_kernel, x.to(device), torch.uint8, FP8_MAX=m,
+                           FNUZ=fp8_dtype == torch.float8_e4m3fnuz, NATIVE=_native_mode(device, fp8_dtype))
+    assert got.cpu().tolist() == numerics.fp8_encode(x, fp8_dtype).tolist()
+
+
 # --- (b) bf16 rounding --------------------------------------------------------------------
 
 def _bf16_boundaries() -> torch.Tensor:
@@ -354,6 +379,12 @@ def test_exp_exact(device):
     rel = ((want.to(torch.float64) - exact).abs() / exact).max().item()
     assert rel <= 4e-6, f"exp_exact relative error {rel:.3g}"
     assert torch.equal(want[x == 0], torch.ones_like(want[x == 0]))  # the max slot weighs exactly 1
+    # below the floor (t = x*log2(e) < EXP_T_MIN): 2^EXP_T_MIN, on both sides, for finite x
+    low = torch.cat((-torch.logspace(math.log10(70.0), 30, 4096, dtype=F32), torch.tensor([-3.4e38, -1e4])))
+    low = low[low * math.log2(math.e) < numerics.EXP_T_MIN]
+    got = _run_elementwise(_exp_kernel, low.to(device), F32).cpu()
+    assert_bytes_equal(got, numerics.exp_exact(low), "exp_exact below the floor: _jit vs numerics")
+    assert torch.equal(got, torch.full_like(got, 2.0 ** numerics.EXP_T_MIN))
 
 
 @pytest.mark.parametrize("fp8_dtype", FP8, ids=["e4m3fn", "e4m3fnuz"])

@@ -280,6 +280,16 @@ def test_compute_pooled_write_locs_out_of_range(backend, device, monkeypatch):
     assert got == oracle_write_locs(pt64.tolist(), ids.tolist(), p) == [100 * 64, 108 * 64 + 63, -1, -1, -1]
 
 
+def test_compute_pooled_write_locs_page_row_at_the_table_end(backend, device, monkeypatch):
+    """Unchecked, ids whose page row is exactly the table's length (8 rows, P=4: ids 128..191)
+    are -1 although the memory after the table is readable (a view of a longer table)."""
+    p, full = 4, torch.arange(16, dtype=torch.int32) + 100
+    pt64, ids = full[:8], torch.tensor([0, 127, 128, 191, 192])
+    monkeypatch.setenv("KPOOL_CHECK", "0")
+    got = sel.compute_pooled_write_locs(pt64.to(device), ids.to(device), p).cpu().tolist()
+    assert got == oracle_write_locs(pt64.tolist(), ids.tolist(), p) == [100 * 64, 104 * 64 + 63, -1, -1, -1]
+
+
 @pytest.mark.parametrize("p", [4, 16])
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_visible_counts(backend, device, p, dtype):
