@@ -686,6 +686,43 @@ def test_indexer_parameters_and_checkpoint_loading():
     assert torch.equal(m8.wk.weight.float(), ((wk * 4).to(FP8).float() * 0.25).bfloat16().float())
 
 
+def test_block_fp8_scales_map_to_their_128_blocks():
+    """Each ``weight_scale_inv[bi, bj]`` scales exactly rows ``[128 bi, 128 bi + 128)`` x cols
+    ``[128 bj, 128 bj + 128)``, partial last blocks included (in 200 = 128 + 72 and
+    300 = 2 * 128 + 44 columns), every block with its own scale."""
+    geo = dict(hidden_size=200, q_lora_rank=300, n_heads=16, pool_size=4)
+    sd = KPoolIndexer(**geo, index_topk=16, device="cpu").state_dict()
+    g = torch.Generator().manual_seed(11)
+    ckpt, want = {}, {}
+    for name, t in sd.items():
+        ckpt[name] = t
+        if name in ("wk.weight", "wq_b.weight", "weights_proj.weight"):
+            rows, cols = t.shape
+            codes = (torch.randn(rows, cols, generator=g) * 8).to(FP8)
+            scale = torch.exp2(torch.randint(-6, 6, (-(-rows // 128), -(-cols // 128)), generator=g).float())
+            i, j = torch.arange(rows)[:, None] // 128, torch.arange(cols)[None, :] // 128
+            ckpt[name], ckpt[name[:-len("weight")] + "weight_scale_inv"] = codes, scale
+            want[name] = (codes.float() * scale[i, j]).bfloat16()
+    loaded = KPoolIndexer.from_checkpoint(ckpt, "", index_topk=16)
+    for name, w in want.items():
+        assert torch.equal(loaded.state_dict()[name], w), name
+
+
+def test_project_layer_norm_eps_is_1e6():
+    """SPEC: ``k = LayerNorm(wk(h))`` with eps 1e-6 in fp32; inputs whose variance is near eps
+    tell 1e-6 from other values."""
+    mod = KPoolIndexer(**SMALL, device="cpu")
+    sd = {k: v.clone() for k, v in _checkpoint("", 12).items()}
+    sd["wk.weight"] = (sd["wk.weight"].float() * 2**-9).bfloat16()  # wk(h) variance ~1e-6
+    mod.load_state_dict(sd)
+    g = torch.Generator().manual_seed(13)
+    h = torch.randn(5, 64, generator=g).bfloat16()
+    qr = torch.randn(5, 32, generator=g).bfloat16()
+    _, k, _, _ = mod.project(h, qr)
+    want = _projections(sd, h, qr, 16)[1]
+    assert torch.equal(k, want)
+
+
 def _projections(sd, h, qr, heads):
     """Independent re-statement of the indexer projections from raw checkpoint tensors."""
     q = F.linear(qr, sd["wq_b.weight"]).view(h.shape[0], heads, D)

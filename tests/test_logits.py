@@ -17,9 +17,10 @@ from kpool import reference
 from kpool._backend import device_target, has_native_fp8
 from kpool.layout import ENTRY_BYTES, write_entries
 from kpool.ops import _jit_fp8
+from kpool.ops import logits as logits_mod
 from kpool.ops.logits import RAGGED_TILE, RAGGED_TILES, paged_pool_logits, ragged_pool_logits
 from kpool.ops.score import paged_pool_topk
-from _util import random_bytes_like
+from _util import GarbageTorch, random_bytes_like
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
@@ -260,6 +261,27 @@ def test_paged_layouts_and_padded_stride(backend, device, layout):
         assert bool(torch.isneginf(out[b, n:].cpu()).all())
 
 
+def test_paged_max_pools_past_the_table(backend, device, monkeypatch):
+    """``max_pools`` wider than ``max_pages * PAGE``: the columns no page can hold are -inf too
+    (every column of the output is written)."""
+    fp8_dtype = torch.float8_e4m3fn
+    page, num_pages, heads = 16, 4, 16
+    kv, codes, scales = make_cache(num_pages, page, fp8_dtype, seed=41, device=device)
+    page_table = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32)  # covers 32 pools
+    pool_lens = torch.tensor([[32], [20]], dtype=torch.int32)
+    q = rand_codes((2, 1, heads, 128), fp8_dtype, seed=42)
+    w = weights((2, 1, heads), seed=43)
+    monkeypatch.setattr(logits_mod, "torch", GarbageTorch())  # the output starts as garbage: unwritten columns show
+    out = paged_pool_logits(q.to(device), kv, w.to(device), pool_lens.to(device), page_table.to(device),
+                            fp8_dtype=fp8_dtype, max_pools=100).cpu()
+    assert out.shape == (2, 100)
+    for b in range(2):
+        k, ks = paged_keys(codes, scales, page_table[b], page, 32)
+        n = int(pool_lens[b, 0])
+        assert_same_f32(out[b, :n], exact_scores(q[b], k, ks, w[b])[0, :n], f"row {b}")
+        assert bool(torch.isneginf(out[b, n:]).all()), out[b, n:]
+
+
 def test_paged_bad_page_scores_nan_and_is_rejected(backend, device, monkeypatch):
     fp8_dtype = torch.float8_e4m3fn
     page, heads = 16, 16
@@ -329,6 +351,29 @@ def test_relu_per_head_before_weighting(backend, device):
                             torch.zeros(1, 1, dtype=torch.int32, device=device),
                             layout="plain", fp8_dtype=fp8_dtype).cpu()
     assert out[0, 0].item() == -1.0
+
+
+def test_relu_keeps_negative_zero(backend, device):
+    """Step 2 is ``r = 0 if s < 0 else s``: ``s = -0.0`` (a -0.0 or negative key scale times a
+    zero or positive dot) stays -0.0, so with positive head weights the logit is -0.0 bit for bit."""
+    fp8_dtype = torch.float8_e4m3fn
+    heads, page = 16, 16
+    kv = torch.zeros(1, page, ENTRY_BYTES, dtype=torch.uint8)
+    key = torch.zeros(page, 128)
+    key[:, :4] = 1.0
+    key[1] = 0.0  # zero dot
+    scales = torch.tensor([-0.0, -0.25, 0.5, -0.5] + [0.5] * (page - 4))
+    write_entries(kv, torch.arange(page), key.to(fp8_dtype).view(torch.uint8), scales, "plain")
+    q = torch.zeros(1, 1, heads, 128)
+    q[0, 0, :, :4] = 2.0  # every head's dot is 8 (0 on pool 1)
+    w = torch.full((1, 1, heads), 0.125)
+    out = paged_pool_logits(q.to(fp8_dtype).to(device), kv.to(device), w.to(device),
+                            torch.tensor([[4]], dtype=torch.int32, device=device),
+                            torch.zeros(1, 1, dtype=torch.int32, device=device),
+                            layout="plain", fp8_dtype=fp8_dtype).cpu()
+    want = exact_scores(q.to(fp8_dtype)[0], key.to(fp8_dtype)[:4], scales[:4], w[0])[0]
+    assert [str(v) for v in want.tolist()] == ["-0.0", "-0.0", "8.0", "0.0"]
+    assert_same_f32(out[0, :4], want, "relu of -0.0")
 
 
 def test_dot_is_exact_sum_rounded_once(backend, device):

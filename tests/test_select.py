@@ -186,6 +186,28 @@ def test_expand_pools_to_tokens(backend, device, p, mapping):
     check(got, want)
 
 
+@pytest.mark.parametrize("p", [4, 16])
+def test_topk_offsets_strided_column(backend, device, p):
+    """``topk_offsets [rows, 1]`` may be a column of a wider tensor (row stride != 1): every
+    row must read its own offset, in expand_pools_to_tokens and append_tail_to_topk."""
+    rows, n_pools = 7, 5
+    gids = rand(0, 40, (rows, n_pools), seed=60 + p)
+    valid = rand(0, 4, (rows, n_pools), seed=61 + p) > 0
+    table = rand(0, 10**5, (rows, 3), seed=62)
+    offs = table[:, 1:2]  # [rows, 1], stride(0) == 3
+    assert offs.stride(0) == 3
+    got = sel.expand_pools_to_tokens(gids.to(device), valid.to(device), n_pools * p, p,
+                                     topk_offsets=offs.to(device)).cpu()
+    want = oracle_expand_to_tokens(gids.tolist(), valid.tolist(), p, None, offs[:, 0].tolist())
+    check(got, want)
+    hist = rand(-1, 1000, (rows, 9), seed=63, dtype=torch.int32)
+    seq = seq_lens_all_residues(rows, p, seed=64)
+    pool_lens = torch.div(seq, p, rounding_mode="floor")
+    got = sel.append_tail_to_topk(hist.to(device), seq.to(device), pool_lens.to(device), p,
+                                  topk_offsets=offs.to(device)).cpu()
+    check(got, oracle_append_tail(hist.tolist(), seq.tolist(), pool_lens.tolist(), p, None, offs[:, 0].tolist()))
+
+
 # --- append_tail_to_topk ---------------------------------------------------------------------
 
 
