@@ -121,9 +121,14 @@ def check_kv_cache(kv_cache, layout: str | None, device) -> str:
                          f"stride(0) = {kv_cache.stride(0)}, storage_offset = {kv_cache.storage_offset()}")
     check_slot_count("kv_cache", kv_cache.shape[0] * page)
     layout = resolve_layout(layout, device, page)
-    if layout == "preshuffle" and page % TILE:
-        raise ValueError(f"layout='preshuffle' needs a page size that is a multiple of {TILE}, got {page}")
+    check_page_layout("kv_cache's page size (shape[1])", page, layout)
     return layout
+
+
+def check_page_layout(name: str, page: int, layout: str) -> None:
+    """The preshuffled layout tiles pages of 16 states: ``page`` must be a multiple of 16."""
+    if layout == "preshuffle" and page % TILE:
+        raise ValueError(f"layout='preshuffle' needs {name} to be a multiple of {TILE}, got {page}")
 
 
 def check_tail(tail, pool_size: int, device) -> int:

@@ -228,14 +228,12 @@ def _prefill_specs(m):
 
 def decode_step_axis():
     """(P, RING, next_n, NB) the launcher accepts: next_n = 1 (specialized by the JIT) at
-    RING = P and 2P; verify steps of up to NB = next_pow2(next_n) tokens at the smallest
+    ``pool_ring_axis``' rings; verify steps of up to NB = next_pow2(next_n) tokens at the smallest
     ring that holds their drafts, ``layout.ring_size(P, NB - 1)`` (RING >= P + next_n - 1)."""
     from .layout import ring_size
-    out = []
-    for p in _pool_sizes():
-        out += [dict(P=p, RING=r, next_n=1, NB=1) for r in sorted({ring_size(p), ring_size(p, 1)})]
-        out += [dict(P=p, RING=ring_size(p, nb - 1), next_n="i32", NB=nb) for nb in (2, 4, 8)]
-    return out
+    steps = [dict(pr, next_n=1, NB=1) for pr in pool_ring_axis()]
+    return steps + [dict(P=p, RING=ring_size(p, nb - 1), next_n="i32", NB=nb)
+                    for p in _pool_sizes() for nb in (2, 4, 8)]
 
 
 def _decode_specs(m):

@@ -27,8 +27,8 @@ import torch
 
 from . import reference
 from ._backend import backend_for
-from ._checks import (check_bool, check_device_type, check_positive_int, check_slot_count, check_tensor, int_list,
-                      own_indices)
+from ._checks import (check_bool, check_device_type, check_page_layout, check_positive_int, check_slot_count,
+                      check_tensor, int_list, own_indices)
 from .layout import (ENTRY_BYTES, HEAD_DIM, read_entries, resolve_fp8_dtype, resolve_layout, ring_size)
 from .ops.decode import kpool_decode_update_and_maybe_write_cache_batched
 from .ops.logits import check_heads
@@ -113,8 +113,7 @@ class KPoolCache:
             raise ValueError(f"max_spec_tokens must be a non-negative int, got {max_spec_tokens!r}")
         check_slot_count("num_pages * page_size", num_pages * page_size)  # before allocating
         self.layout = resolve_layout(layout, self.device, page_size)
-        if self.layout == "preshuffle" and page_size % 16:
-            raise ValueError(f"layout='preshuffle' needs page_size % 16 == 0, got {page_size}")
+        check_page_layout("page_size", page_size, self.layout)
         self.fp8_dtype = resolve_fp8_dtype(fp8_dtype, self.device)
         check_tensor("ape", ape, dtype=torch.float32, shape=(pool_size, HEAD_DIM))
         check_bool("round_scale", round_scale)
