@@ -75,8 +75,10 @@ SELECT_HELD_KEYS = 2048  # survivors up to which its radix select loads them onc
 RADIX_BITS = 5  # bits per radix pass of the union bound and the threshold select, at most 8 (H200, 5th session,
 #                1 x 128K: 6 -> 38.3 us, 8 -> 40.5; 37th, 6 -> 5: 4 x 128K 27.8 -> 27.3 us, mixed 4K-128K 85.1 ->
 #                83.8, 32 x 128K 77.1 -> 76.7, other cases within their spread; 4 no better than 6)
-RANK_COMPARES = 1 << 24  # compares one threshold select may spend ranking (rank_limit; H200: 1 x 128K, 2,367
-#                          survivors: ~13 -> 4.3 us ranked; 32 x 128K, ~1,000 per row: 224 radix vs 233 ranked)
+RANK_COMPARES = 3 << 22  # compares one threshold select may spend ranking (rank_limit; H200: 1 x 128K, 2,367
+#                          survivors: ~13 -> 4.3 us ranked; 32 x 128K, ~1,000 per row: 224 radix vs 233 ranked;
+#                          41st, 1 << 24 -> 3 << 22 (limit 724 -> 627 at 32 rows): 32 x 32K 46.6 -> 44.8 us, mixed
+#                          4K-128K 82.8 -> 82.0, 32 x 128K (555-605 survivors, still ranked) and 1 / 4 x 128K flat)
 RANK_SLICE, RANK_BLOCK = 8, 128  # survivors a ranking program ranks, and compares them with, per step (H200, 32 x
 #                                 128K: 256 -> 128 -2.5 us; 13th session, 1,000 survivors: -0.8 us) ...
 RANK_PROGRAMS_PER_SM = 2  # ... and its programs per SM (rank_programs): the blocks of 8 warps at 94 registers one SM
