@@ -272,8 +272,10 @@ class Harness:
             same_bytes(raw[:, D:].contiguous().view(torch.float32).reshape(-1), self.scales[r],
                        f"{what}: scale bytes of {r!r} at slots {locs}")
             if n_tok % P:
+                assert c.ring_block(r) == self.block[r], f"{what}: ring_block({r!r}) = {c.ring_block(r)}, " \
+                                                         f"its tokens went to block {self.block[r]}"
                 pos = torch.arange(n_pools * P, n_tok)
-                ring = c.tail[self.block[r]][:, pos % self.ring].cpu()
+                ring = c.tail[c.ring_block(r)][:, pos % self.ring].cpu()
                 same_bytes(ring[0], self.keys[r][pos].cpu(), f"{what}: ring keys of {r!r}")
                 same_bytes(ring[1], self.gates[r][pos].cpu(), f"{what}: ring gates of {r!r}")
 
@@ -766,6 +768,7 @@ def test_metadata_example(backend):
     # first allocations: ring block 0, 1 and pages 0, 1, ... in order of the step's requests
     meta = h.prefill(["x", "y"], [6, 3])
     bx, by = h.block["x"], h.block["y"]
+    assert (c.ring_block("x"), c.ring_block("y")) == (bx, by)
     px = h.pages["x"][0]
     assert meta.positions.tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2]
     assert meta.slot_mapping.tolist() == [-1, -1, -1, px * page + 0, -1, -1, -1, -1, -1]

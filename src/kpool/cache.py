@@ -142,6 +142,11 @@ class KPoolCache:
         """The tensors the last step passed to the kernels (see ``StepMetadata``)."""
         return self.last_step
 
+    def ring_block(self, request_id) -> int:
+        """The request's ring block ``b``: ``tail[b, 0]`` / ``tail[b, 1]`` (bf16 ``[RING, 128]``) hold
+        the raw keys / gates of its tokens not yet in a complete pool, token ``pos`` at row ``pos % RING``."""
+        return self._get(request_id).block
+
     def pool_slot(self, request_id, pool: int) -> int:
         """Flat cache slot of a request's pool ``pool`` (its page must be allocated)."""
         req = self._get(request_id)
