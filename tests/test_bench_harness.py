@@ -127,7 +127,8 @@ def test_readme_table_render_and_rewrite(tmp_path):
     assert "| compress + write | P=16 pools=262144 | ours |" in block
     assert "B=1024" in block and "ours, RING=2P" in block
     assert "| 4 | 4 | data movement only | 8 | 0.60 | 38.4 | 153.6 | 614.4 |" in block  # fake µs: 0.6 x batch
-    assert "| 4 | 1 | ours | 4 | " in block and "| 16 | 2 | ours, RING=2P | 32 | " in block
+    assert "| 4 | 1 | ours | 4 | " in block and "| 16 | 1 | ours, RING=2P | 32 | " in block
+    assert "| 16 | 2 | ours, RING=2P |" not in block  # next_n = 2 runs ours at 2P already: no duplicate row
     no_movement = dict(doc, results=[r for r in doc["results"] if r["impl"] != "movement"])
     assert "data movement only" not in rt.render(no_movement)
     assert "did not complete" in block  # the injected error is reported, not hidden
@@ -179,7 +180,8 @@ def test_plot_series_groups_by_impl_and_fixed_params():
     assert set(comp) >= {("ours", (("P", 4),)), ("seed", (("P", 16),)), ("torch", (("P", 4),))}
     assert [x for x, _ in comp[("ours", (("P", 16),))]] == [65_536, 262_144]
     dec = data["decode"]
-    assert ("ours_ring2P", (("P", 16), ("next_n", 4))) in dec
+    assert ("ours_ring2P", (("P", 16), ("next_n", 1))) in dec
+    assert ("ours_ring2P", (("P", 16), ("next_n", 4))) not in dec  # its ring is ours's there
     assert [x for x, _ in dec[("seed", (("P", 4), ("next_n", 2)))]] == [1, 64, 256, 1024]
 
 
