@@ -15,7 +15,10 @@ def test_demo_session_checks(backend):
     assert stats["checks"] == stats["prefill_steps"] + stats["decode_steps"]
     assert stats["pools_checked"] > 0 and stats["select_rows_checked"] > 0
     assert stats["backend"] == backend
-    assert "checks passed" in format_summary(stats)
+    assert [len(stats[k]) for k in ("prefill_times", "decode_times", "select_times")] == \
+        [stats["prefill_steps"], stats["decode_steps"], stats["decode_steps"]]
+    summary = format_summary(stats)
+    assert "checks passed" in summary and summary.count("ms per step") == 3
 
 
 def test_cli_demo_prints_summary(capsys):
