@@ -98,7 +98,7 @@ def strided_copy(t, dim=-1):
 
 
 class GarbageTorch:
-    """``torch`` whose ``empty`` fills int32 tensors with 3 and all others with ``2^62``: set as
+    """``torch`` whose ``empty`` fills int32 and uint8 tensors with 3, all others with ``2^62``: set as
     a module's ``torch`` (monkeypatch) so that the scratch it allocates starts as garbage."""
 
     def __getattr__(self, name):
@@ -107,4 +107,24 @@ class GarbageTorch:
     @staticmethod
     def empty(*shape, **kw):
         t = torch.empty(*shape, **kw)
-        return t.fill_(3 if t.dtype == torch.int32 else 1 << 62)
+        return t.fill_(3 if t.dtype in (torch.int32, torch.uint8) else 1 << 62)
+
+
+class GuardedTorch(GarbageTorch):
+    """``GarbageTorch`` whose ``empty`` tensors are followed in their storage by as many guard
+    elements, garbage too: ``check`` asserts that no kernel wrote past the end of one."""
+
+    def __init__(self):
+        self.guards = []
+
+    def empty(self, *shape, **kw):
+        shape = torch.Size(shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape)
+        n = shape.numel()
+        base = GarbageTorch.empty(2 * n + 1, **kw)
+        self.guards.append((base[n:], base[n:].clone()))
+        return base[:n].view(shape)
+
+    def check(self, what):
+        assert self.guards, f"{what}: nothing was allocated"
+        for i, (guard, was) in enumerate(self.guards):
+            assert_bytes_equal(guard, was, f"{what}: the guard after allocation {i}")

@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 import kpool
 from kpool import numerics, reference
 from kpool.layout import fp8_max
+from kpool.ops import compress
 
-from _util import assert_bytes_equal, random_bytes_like
+from _util import GarbageTorch, assert_bytes_equal, random_bytes_like
 
 FP8 = {"e4m3fn": torch.float8_e4m3fn, "e4m3fnuz": torch.float8_e4m3fnuz}
 ENTRY = 132
@@ -201,6 +202,23 @@ def test_write_mask(backend, device):
                        "kv_cache buffer with write_mask vs SPEC model")
     # the mask really masked something that would have been written
     assert not torch.equal(spec_write(before, loc, codes, scale, "plain"), cache.buf.cpu())
+
+
+def test_write_mask_returns_every_pool(backend, device, monkeypatch):
+    """``write_mask`` masks only the cache write: every pool's codes and scale come back (masked-out ones too)."""
+    monkeypatch.setattr(compress, "torch", GarbageTorch())  # the returned outputs start as garbage
+    pool, n = 4, 6
+    cache = Cache(num_pages=1, page=16, device=device, seed=24)
+    k, s, ape = make_pools(n, pool, device, seed=25)
+    loc = make_loc(n, cache.num_slots, device, seed=26, n_sentinel=1)
+    mask = torch.tensor([True, False, True, True, False, True], device=device)
+    fp8 = torch.float8_e4m3fn
+    want_buf, want_codes, want_scale = run_ref(cache, k, s, ape, loc, pool, "plain", fp8, write_mask=mask)
+    codes, scale = kpool.kpool_compress_and_write_cache(cache.kv, k, s, ape, loc, pool, write_mask=mask,
+                                                        return_compressed=True, layout="plain", fp8_dtype=fp8)
+    assert_bytes_equal(codes, want_codes, "returned codes with write_mask")
+    assert_bytes_equal(scale, want_scale, "returned scale with write_mask")
+    assert_bytes_equal(cache.buf, want_buf, "kv_cache buffer with write_mask")
 
 
 @pytest.mark.parametrize("write_cache", [False, True])

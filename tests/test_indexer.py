@@ -355,6 +355,16 @@ def test_scored_requests_around_an_unscored_one(backend):
     check_against_serving(run, ["a", "b", "c"], out, q, w, 16)
 
 
+def test_scored_runs_of_different_lengths_one_grid_apart(backend):
+    """Scored runs of 1 and 2 rows whose first rows lie max(m) apart: one grid, gathered (a slice overwrites b@18)."""
+    run = Run(seed=29, num_pages=16)
+    run.prefill({"a": 30, "b": 18})
+    run.decode({"a": 1, "b": 3})  # rows: a@30 (scored), b@18 (identity), b@19, b@20 (scored)
+    q, w = run.queries(4)
+    out = run.cache.topk_indices(["a", "b"], q, w, index_topk=16)
+    check_against_serving(run, ["a", "b"], out, q, w, 16)
+
+
 # --------------------------------------------------------------------------------------------
 # memory budget: row chunking
 # --------------------------------------------------------------------------------------------

@@ -15,14 +15,14 @@ from kpool.ops import score, topk
 from kpool.ops.logits import paged_pool_logits
 from kpool.ops.score import paged_pool_topk
 from kpool.ops.topk import select_pools
-from _util import GarbageTorch
+from _util import GarbageTorch, GuardedTorch
 from test_logits import make_cache, rand_codes, weights
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
 
 def run_case(device, *, batch, next_n, heads, page, pages_per, lens, select_k, fp8_dtype, layout="plain",
-             seed=0, bad_page=False, duplicate=False, nan_codes=False):
+             seed=0, bad_page=False, duplicate=False, nan_codes=False, lens_after=None):
     num_pages = batch * pages_per + 1
     kv, codes, scales = make_cache(num_pages, page, fp8_dtype, seed, layout)
     if nan_codes:  # one NaN code in every 37th pool (a NaN key: its logit is NaN, ranked last)
@@ -42,6 +42,8 @@ def run_case(device, *, batch, next_n, heads, page, pages_per, lens, select_k, f
     w = weights((batch, next_n, heads), seed + 4)
     lens = torch.as_tensor(lens, dtype=torch.int32).view(batch, next_n)
     args = [t.to(device) for t in (q, kv, w, lens, pt)]
+    if lens_after is not None:  # pool_lens's storage holds one more count after the rows' (no row may read it)
+        args[3] = torch.cat((args[3].view(-1), args[3].new_tensor([lens_after])))[:-1].view(batch, next_n)
     got = paged_pool_topk(*args, select_k, layout=layout).cpu()
     logits = reference.paged_pool_logits(q.view(torch.uint8), kv, w, lens, pt, layout, fp8_dtype, pages_per * page)
     want = reference.select_pools(logits, lens.view(-1), select_k)
@@ -95,6 +97,19 @@ def test_rows_per_program(backend, device, max_rows, monkeypatch):
              lens=[300, 17, 0, 450, 16, 449, 448, 5, 120, 64], select_k=16, fp8_dtype=torch.float8_e4m3fn, seed=11)
     run_case(device, batch=2, next_n=5, heads=16, page=64, pages_per=2,
              lens=[100, 17, 128, 0, 16, 127, 3, 90, 91, 40], select_k=16, fp8_dtype=torch.float8_e4m3fnuz, seed=12)
+
+
+def test_partial_row_group_stays_inside_its_step(device, monkeypatch):
+    """next_n = 3 scored 2 rows at a time: the last program's row past the step stays dead (no write past count)."""
+    monkeypatch.setenv("KPOOL_BACKEND", "triton")
+    guarded = GuardedTorch()  # scratch followed by guards: a dead row past the batch zeroes its counter there
+    monkeypatch.setattr(topk, "torch", guarded)
+    monkeypatch.setattr(score, "torch", guarded)
+    assert score.query_rows(3) == 2  # each step's last program: one live row, one past the step
+    assert score.wide_plan(6, 256, 16, torch.device(device))[1] > 1  # several leaves: survivor counters
+    run_case(device, batch=2, next_n=3, heads=16, page=64, pages_per=4, lens=[200, 201, 202, 150, 17, 151],
+             select_k=16, fp8_dtype=torch.float8_e4m3fn, seed=13, lens_after=256)
+    guarded.check("paged_pool_topk's scratch")
 
 
 @pytest.mark.parametrize("layout", ["plain", "preshuffle"])
