@@ -59,7 +59,7 @@ def _check_request(cache: KPoolCache, rid, keys: torch.Tensor, gates: torch.Tens
     if not (torch.equal(codes.cpu(), want_codes) and torch.equal(scales.cpu(), want_scales)):
         bad = (codes.cpu() != want_codes).any(1).nonzero().flatten().tolist()
         raise AssertionError(f"request {rid}: pooled entries differ from the oracle at pools {bad[:8]}")
-    ring = cache.tail[cache._get(rid).block].cpu()
+    ring = cache.tail[cache.ring_block(rid)].cpu()
     for q in range(n_pools * p, n):
         if not (torch.equal(ring[0, q % cache.ring], keys[q]) and torch.equal(ring[1, q % cache.ring], gates[q])):
             raise AssertionError(f"request {rid}: ring slot of position {q} does not hold its token")
