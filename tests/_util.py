@@ -111,8 +111,8 @@ class GarbageTorch:
 
 
 class GuardedTorch(GarbageTorch):
-    """``GarbageTorch`` whose ``empty`` tensors are followed in their storage by as many guard
-    elements, garbage too: ``check`` asserts that no kernel wrote past the end of one."""
+    """``GarbageTorch`` whose ``empty`` tensors of ``n`` elements are followed in their storage by
+    ``n + 1`` guard elements, garbage too: ``check`` asserts that no kernel wrote past the end of one."""
 
     def __init__(self):
         self.guards = []

@@ -9,6 +9,7 @@ oracle of its committed tokens, and its ring with the tokens of its incomplete p
 
 from __future__ import annotations
 
+import contextlib
 import random
 import statistics
 import sys
@@ -36,6 +37,18 @@ class Progress:
         sys.stderr.flush()
         if self.done >= self.total:
             sys.stderr.write("\n")
+
+
+@contextlib.contextmanager
+def _timed(times: list, device: torch.device):
+    """Append the block's wall time to ``times``, the device work it queued included."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    yield
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    times.append(time.perf_counter() - t0)
 
 
 def _check_request(cache: KPoolCache, rid, keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor,
@@ -66,17 +79,14 @@ def _check_request(cache: KPoolCache, rid, keys: torch.Tensor, gates: torch.Tens
     return n_pools
 
 
-def _check_selection(cache, ids, counts, drafts, streams, ape, gen, stats, device, index_topk, heads, sync):
+def _check_selection(cache, ids, counts, drafts, streams, ape, gen, stats, device, index_topk, heads):
     """Run the indexer selection for the verify step's tokens (random q / head weights), check
     causality for every row and one request's rows against the serving oracle, byte for byte."""
     total = sum(counts)
     q = torch.randn(total, heads, HEAD_DIM, generator=gen).to(torch.bfloat16)
     w = torch.randn(total, heads, generator=gen)
-    sync()
-    t0 = time.perf_counter()
-    rows = cache.topk_indices(ids, q.to(device), w.to(device), index_topk=index_topk).cpu()
-    sync()
-    stats["select_times"].append(time.perf_counter() - t0)
+    with _timed(stats["select_times"], device):
+        rows = cache.topk_indices(ids, q.to(device), w.to(device), index_topk=index_topk).cpu()
     stats["select_rows"] += total
     start = 0
     pick = ids[stats["decode_steps"] % len(ids)]
@@ -141,18 +151,11 @@ def run_demo(*, requests: int = 8, max_prompt: int = 6000, decode_steps: int = 4
             stats["pools_checked"] += _check_request(cache, r, k, g, ape, oracle)
         stats["checks"] += 1
 
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
     for round_ in prefill_rounds:
         chunks = [tokens(n) for _, n in round_]
         ids = [r for r, _ in round_]
-        sync()
-        t0 = time.perf_counter()
-        cache.prefill(ids, [k.to(device) for k, _ in chunks], [g.to(device) for _, g in chunks])
-        sync()
-        stats["prefill_times"].append(time.perf_counter() - t0)
+        with _timed(stats["prefill_times"], device):
+            cache.prefill(ids, [k.to(device) for k, _ in chunks], [g.to(device) for _, g in chunks])
         for r, (k, g) in zip(ids, chunks):
             streams[r] = (torch.cat((streams[r][0], k)), torch.cat((streams[r][1], g)))
             stats["tokens"] += k.shape[0]
@@ -164,12 +167,9 @@ def run_demo(*, requests: int = 8, max_prompt: int = 6000, decode_steps: int = 4
         ids = list(range(requests))
         counts = [rng.randint(1, max_spec_tokens + 1) for _ in ids]
         drafts = [tokens(n) for n in counts]
-        sync()
-        t0 = time.perf_counter()
-        cache.decode(ids, [k.to(device) for k, _ in drafts], [g.to(device) for _, g in drafts])
-        sync()
-        stats["decode_times"].append(time.perf_counter() - t0)
-        _check_selection(cache, ids, counts, drafts, streams, ape, gen, stats, device, index_topk, heads, sync)
+        with _timed(stats["decode_times"], device):
+            cache.decode(ids, [k.to(device) for k, _ in drafts], [g.to(device) for _, g in drafts])
+        _check_selection(cache, ids, counts, drafts, streams, ape, gen, stats, device, index_topk, heads)
         accepted = [rng.randint(1, n) for n in counts]
         cache.accept(ids, accepted)
         for r, (k, g), a in zip(ids, drafts, accepted):
