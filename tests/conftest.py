@@ -49,3 +49,15 @@ def backend(request, monkeypatch):
 @pytest.fixture
 def device():
     return DEVICE
+
+
+def pytest_runtest_logreport(report):
+    """With ``KPOOL_TEST_LOG=path``, append ``nodeid<TAB>phase<TAB>outcome<TAB>seconds`` per test
+    as it finishes (its call, or a setup / teardown that did not pass), from the xdist
+    controller only: a run stopped by a time limit still leaves the record of what ran
+    (compare with ``pytest --collect-only -q``)."""
+    path = os.environ.get("KPOOL_TEST_LOG")
+    if not path or os.environ.get("PYTEST_XDIST_WORKER") or (report.when != "call" and report.passed):
+        return
+    with open(path, "a") as f:
+        f.write(f"{report.nodeid}\t{report.when}\t{report.outcome}\t{report.duration:.2f}\n")
