@@ -4,6 +4,8 @@
   default (set here, before anything imports triton).
 * Importing kpool makes the interpreter's float downcasts exact (``kpool._interpreter``);
   the setup asserts that it did.
+* In the interpreter the scorers plan their smallest leaves (``topk.SMALLEST_LEAVES``), so
+  that small cases run several leaves per row and the threshold selection.
 * Fixtures: ``backend`` (``"torch"`` and ``"triton"``, set through ``KPOOL_BACKEND``) and
   ``device`` (``"cuda"`` when available, else ``"cpu"``).
 """
@@ -29,6 +31,8 @@ from kpool import _backend, _interpreter  # noqa: E402
 INTERPRETING = _backend.interpreting()
 if INTERPRETING:
     assert _interpreter.fix_applied(), "kpool did not install its exact float converter in Triton's interpreter"
+    from kpool.ops import topk
+    topk.SMALLEST_LEAVES = True  # several leaves per row and the threshold selection, even in small cases
 
 DEVICE = "cuda" if HAS_GPU else "cpu"
 BACKENDS = ("torch", "triton")

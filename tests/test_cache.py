@@ -406,7 +406,7 @@ class Harness:
             if n < sent and (start + sent) // self.P > (start + n) // self.P:
                 note("accept: rolls back a written pool")
             self._set_stream(r, self.keys[r][: start + n], self.gates[r][: start + n])
-            self.last[r] = (kind, start, n)
+            self.last[r] = ("accepted", start, n)
         self.check_state(what)
 
     def free(self, r):
@@ -463,8 +463,9 @@ def _bad_step(rng, h):
     live = h.live()
     decoded = [r for r in live if h.last.get(r, ("",))[0] == "decode"]
     prefilled = [r for r in live if h.last.get(r, ("",))[0] == "prefill"]
+    accepted = [r for r in live if h.last.get(r, ("",))[0] == "accepted"]
     options = ["unknown", "repeat"] + ["too_many"] * bool(live) + ["accept_big"] * bool(decoded) + \
-        ["accept_prefill"] * bool(prefilled)
+        ["accept_prefill"] * bool(prefilled) + ["accept_twice"] * bool(accepted)
     kind = rng.choice(options)
     note(f"misuse: {kind}")
     k, g = h.tokens(1)
@@ -487,6 +488,9 @@ def _bad_step(rng, h):
     elif kind == "accept_big":
         r = rng.choice(decoded)
         h.expect_error(ValueError, "num_accepted", lambda: c.accept([r], [h.last[r][2] + 1]), kind)
+    elif kind == "accept_twice":  # even the same count: the step was committed
+        r = rng.choice(accepted)
+        h.expect_error(ValueError, "already accepted", lambda: c.accept([r], [h.last[r][2]]), kind)
     else:
         r = rng.choice(prefilled)
         h.expect_error(ValueError, "decode", lambda: c.accept([r], [0]), kind)
@@ -729,6 +733,10 @@ def test_capacity_and_misuse(backend):
     h.decode(["A"], [2])
     h.accept(["A"], [1])
     assert c.length("A") == 133 and len(h.pages["A"]) == 3
+    # once per step: a second accept, even a retry of the same count, would uncommit tokens
+    for n in (1, 0):
+        err(ValueError, "already accepted", lambda: c.accept(["A"], [n]), f"second accept({n})")
+    assert c.length("A") == 133
 
 
 @pytest.mark.parametrize("name, value", [("pool_size", True), ("pool_size", 0), ("page_size", True),

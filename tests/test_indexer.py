@@ -365,6 +365,24 @@ def test_scored_runs_of_different_lengths_one_grid_apart(backend):
     check_against_serving(run, ["a", "b"], out, q, w, 16)
 
 
+@pytest.mark.parametrize("plan", ["smallest", "largest", "12 SMs"])
+def test_leaf_plans_give_the_same_rows(monkeypatch, plan):
+    """A prefill chunk of 24 rows over 154-156 pools at select_k 4 under each leaf plan: the
+    smallest leaves (two of 128 pools a row, then the threshold select: the tests' default in
+    the interpreter), the largest (one of 512: the interpreter's default elsewhere) and a GPU of
+    12 SMs (one of 512, the grid being full): the same rows as the serving reference."""
+    from kpool.ops import topk as topk_mod
+    monkeypatch.setenv("KPOOL_BACKEND", "triton")
+    monkeypatch.setattr(topk_mod, "_sm_count", lambda device: 12 if plan == "12 SMs" else 0)
+    monkeypatch.setattr(topk_mod, "SMALLEST_LEAVES", plan == "smallest")
+    assert topk_mod.plan_leaves(24, 156, 4, DEVICE, 64) == ((128, 2) if plan == "smallest" else (512, 1))
+    run = Run(seed=31, num_pages=24)
+    run.prefill({"a": 600})
+    run.prefill({"a": 24})
+    q, w = run.queries(24)
+    check_against_serving(run, ["a"], run.cache.topk_indices(["a"], q, w, index_topk=16), q, w, 16)
+
+
 # --------------------------------------------------------------------------------------------
 # memory budget: row chunking
 # --------------------------------------------------------------------------------------------

@@ -13,14 +13,16 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .._backend import backend_for, native_fp8, pdl_launch
+from .._backend import backend_for, interpreting, native_fp8, pdl_launch
 from .._checks import INT_DTYPES, check_bool, check_pool_size, check_tensor
 from ..layout import HEAD_DIM, fp8_max, resolve_fp8_dtype
 from . import _jit, _pdl
 from .select import store_visible_counts, visible_counts
 
 BLOCK_ROWS = 4  # query rows per program (H200, ab: 1 x 128K decode 18.5 -> 18.0 us, 32 x 128K 84.1 -> 83.8 against
-#                16; 8: 18.2)
+#                16; 8: 18.2) ...
+INTERPRETER_BLOCK_ROWS = 256  # ... and 256 in the CPU interpreter, whose cost is per program (4,096 query rows:
+#                               2.1 ms -> 40 us per row). The bytes do not depend on it.
 
 
 @triton.jit
@@ -61,12 +63,13 @@ def launch_fwht_quant(q2d, codes, scale, fp8_dtype, round_scale=True, weights=No
         return
     fold = weights is not None
     heads = weights.shape[1] if fold else 1
-    _fwht_quant_kernel[(triton.cdiv(rows, BLOCK_ROWS),)](
+    block = INTERPRETER_BLOCK_ROWS if interpreting() else BLOCK_ROWS
+    _fwht_quant_kernel[(triton.cdiv(rows, block),)](
         q2d, q2d.stride(0), codes, scale, rows,
         weights if fold else scale, weights.stride(0) if fold else 0, weights.stride(1) if fold else 0, heads,
         w_out if fold else scale, reference.head_weight_scale(heads),
         scale if positions is None else positions, scale if counts is None else counts,
-        BR=BLOCK_ROWS, FP8_MAX=fp8_max(fp8_dtype), FNUZ=fp8_dtype == torch.float8_e4m3fnuz,
+        BR=block, FP8_MAX=fp8_max(fp8_dtype), FNUZ=fp8_dtype == torch.float8_e4m3fnuz,
         ROUND_SCALE=round_scale, NATIVE_FP8=native_fp8(q2d.device, fp8_dtype), FOLD=fold,
         P=0 if positions is None else pool_size, enable_fp_fusion=False,
         **pdl_launch(q2d.device),

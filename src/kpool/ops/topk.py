@@ -91,6 +91,9 @@ UNION_RESIDENT_KEYS = 8192  # heads, and position keys, _union_bound_kernel keep
 #                             (union_block; H200, ncu: 32 x 128K 12.4 -> 10.4 us, 128 x 1M 33.3 -> 23.6 vs streamed
 #                             from memory)
 PROGRAMS_PER_SM = 2  # leaf grid target when choosing the leaf size
+SMALLEST_LEAVES = False  # off the GPU (Triton's CPU interpreter, whose cost is per program): the largest leaves, as
+#                          a GPU's plan for a grid of many rows; True (the tests) the smallest, so that small cases
+#                          run several leaves per row and the threshold selection (tests/conftest.py)
 MIN_KB = 16  # tl.topk / tl.arange below 16 keys do not lower on every target
 HEAD = tl.constexpr(MIN_KB)  # sorted best keys ahead of an unsorted leaf list (module docstring, 1.)
 POSITION_KEYS = 64  # a filtering leaf's tile-position maxima (score.BLOCK_POOLS) kept after its HEAD: they
@@ -684,10 +687,10 @@ def _sm_count(device) -> int:
 def plan_leaves(rows: int, n_cols: int, select_k: int, device, granule: int = 1):
     """``(CHUNK, n_chunks)`` for the leaves of ``rows`` rows of ``n_cols`` pools (at least one
     leaf): the largest power of two from ``max(KB, LEAF_BASE)`` down to
-    ``max(MIN_CHUNK, granule)`` whose grid still fills the GPU (the smallest off the GPU, so
-    that the CPU lanes exercise the threshold selection)."""
+    ``max(MIN_CHUNK, granule)`` whose grid still fills the GPU; off the GPU the largest, or the
+    smallest with ``SMALLEST_LEAVES``."""
     sms = _sm_count(device)
-    want = PROGRAMS_PER_SM * sms if sms else 1 << 62
+    want = PROGRAMS_PER_SM * sms if sms else (1 << 62 if SMALLEST_LEAVES else 0)
     n_cols = max(n_cols, 1)
     floor = max(MIN_CHUNK, granule)
     chunk = max(key_block(select_k), LEAF_BASE, floor)
