@@ -43,6 +43,7 @@ from kpool._checks import own_indices, range_checks_enabled
 from kpool.cache import (DEFAULT_LOGITS_BUDGET_MB, SCRATCH_BYTES_PER_POOL, TORCH_SCRATCH_BYTES_PER_POOL, KPoolCache,
                          _plan_chunks, logits_budget_bytes, score_and_select, scratch_bytes_per_pool)
 from kpool.indexer import KPoolIndexer
+from kpool.ops import topk as topk_mod
 
 import spec_oracle
 from _util import random_bytes_like
@@ -371,7 +372,6 @@ def test_leaf_plans_give_the_same_rows(monkeypatch, plan):
     smallest leaves (two of 128 pools a row, then the threshold select: the tests' default in
     the interpreter), the largest (one of 512: the interpreter's default elsewhere) and a GPU of
     12 SMs (one of 512, the grid being full): the same rows as the serving reference."""
-    from kpool.ops import topk as topk_mod
     monkeypatch.setenv("KPOOL_BACKEND", "triton")
     monkeypatch.setattr(topk_mod, "_sm_count", lambda device: 12 if plan == "12 SMs" else 0)
     monkeypatch.setattr(topk_mod, "SMALLEST_LEAVES", plan == "smallest")

@@ -22,7 +22,7 @@ from .select import store_visible_counts, visible_counts
 BLOCK_ROWS = 4  # query rows per program (H200, ab: 1 x 128K decode 18.5 -> 18.0 us, 32 x 128K 84.1 -> 83.8 against
 #                16; 8: 18.2) ...
 INTERPRETER_BLOCK_ROWS = 256  # ... and 256 in the CPU interpreter, whose cost is per program (4,096 query rows:
-#                               2.1 ms -> 40 us per row). The bytes do not depend on it.
+#                               1.8 ms -> 35 us per row). The bytes do not depend on it.
 
 
 @triton.jit

@@ -674,7 +674,7 @@ _SMS = {}  # CUDA device index -> SM count (_sm_count)
 
 def _sm_count(device) -> int:
     """SMs of a GPU the kernels run on natively; 0 off the GPU (CPU, interpreter), where the
-    grids are chosen to exercise the multi-program paths instead. Read once per device
+    grids do not follow a GPU's size (``plan_leaves``, ``rank_programs``). Read once per device
     (H200: ``get_device_properties`` took 10-18 us of host time, four times per scored grid)."""
     if device.type != "cuda" or interpreting():
         return 0
