@@ -58,8 +58,45 @@ def test_xor_sum_reduction_bits(device):
     assert int(whole.cpu()) == int(np.bitwise_xor.reduce(want))
 
 
+@triton.jit
+def _helper(x, N: tl.constexpr, FAIL: tl.constexpr):
+    tl.static_assert(not FAIL, "helper failed on purpose")
+    for i in tl.static_range(2):
+        x = tl.where(x > i, x - 1, x)
+    return x
+
+
+@triton.jit
+def _helper_kernel(x_ptr, o_ptr, N: tl.constexpr, FAIL: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(o_ptr + i, _helper(tl.load(x_ptr + i), N, FAIL))
+
+
 # The checks below concern the interpreter's converter; they exist only where it runs.
 if INTERPRETING:
+
+    def test_language_patched_once_per_launch_and_restored():
+        """kpool skips the interpreter's re-patch of triton.language at each @triton.jit helper
+        call inside a launch: helpers still run on the patched language (tl.static_range, tl.where,
+        tl.static_assert), and after a launch, also one that raises, triton.language holds its
+        originals again."""
+        from triton.runtime import interpreter
+
+        assert getattr(interpreter._patch_lang, "_kpool_once", False)
+        names = [(tl, "static_range"), (tl, "where"), (tl, "static_assert"), (tl.core.tensor, "__bool__"),
+                 (tl.core.tensor, "__index__")]
+        attrs = lambda: [getattr(obj, name, None) for obj, name in names]  # noqa: E731  (tensor.__bool__: none)
+        before = attrs()
+        x = torch.tensor([0, 1, 2, 5], dtype=torch.int32)
+        out = torch.zeros_like(x)
+        _helper_kernel[(2,)](x, out, N=4, FAIL=False)
+        assert out.tolist() == [0, 0, 1, 3]
+        assert all(a is b for a, b in zip(attrs(), before))
+        with pytest.raises(Exception, match="helper failed on purpose"):
+            _helper_kernel[(1,)](x, out, N=4, FAIL=True)
+        assert all(a is b for a, b in zip(attrs(), before))
+        _helper_kernel[(1,)](x + 1, out, N=4, FAIL=False)
+        assert out.tolist() == [0, 1, 1, 4]
 
     def test_self_test_detects_the_original_converter(monkeypatch):
         """The self-test fails on the interpreter's own converter (so it would notice a lost fix)."""
