@@ -59,6 +59,41 @@ def test_xor_sum_reduction_bits(device):
 
 
 @triton.jit
+def _sort_kernel(x_ptr, desc_ptr, asc_ptr, top_ptr, R: tl.constexpr, C: tl.constexpr, K: tl.constexpr):
+    x = tl.load(x_ptr + tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :])
+    tl.store(desc_ptr + tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :], tl.sort(x, descending=True))
+    tl.store(asc_ptr + tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :], tl.sort(x))
+    tl.store(top_ptr + tl.arange(0, R)[:, None] * K + tl.arange(0, K)[None, :], tl.topk(x, K))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float32])
+def test_sort_and_topk(device, dtype, monkeypatch):
+    """tl.sort (both orders) and tl.topk of rows with repeated values, against torch.sort; in the
+    interpreter also against Triton's own network (kpool routes integer sorts to numpy)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(-40, 40, (4, 64), generator=g).to(dtype)
+    x[0] = torch.randint(-2**31, 2**31 - 1, (64,), generator=g).to(dtype)
+    if dtype == torch.int64:
+        x[1] = torch.randint(-2**62, 2**62, (64,), generator=g)
+
+    def run():
+        outs = [torch.zeros(4, 64, dtype=dtype, device=device) for _ in range(2)]
+        top = torch.zeros(4, 16, dtype=dtype, device=device)
+        _sort_kernel[(1,)](x.to(device), *outs, top, R=4, C=64, K=16)
+        return [t.cpu() for t in (*outs, top)]
+
+    got = run()
+    want = torch.sort(x, descending=True).values
+    assert torch.equal(got[0], want) and torch.equal(got[1], torch.sort(x).values)
+    assert torch.equal(got[2], want[:, :16])
+    if INTERPRETING and dtype != torch.float32:
+        fast = tl.standard.sort_impl
+        assert getattr(fast, "_kpool_fast", False)
+        monkeypatch.setattr(tl.standard, "sort_impl", fast._kpool_original)
+        assert all(torch.equal(a, b) for a, b in zip(run(), got))
+
+
+@triton.jit
 def _helper(x, N: tl.constexpr, FAIL: tl.constexpr):
     tl.static_assert(not FAIL, "helper failed on purpose")
     for i in tl.static_range(2):
