@@ -334,11 +334,11 @@ def _install_fast_integer_sort(interpreter) -> None:
     std = tl.standard
     original = getattr(std, "sort_impl", None)
     handle_cls = getattr(interpreter, "TensorHandle", None)
-    if original is None or handle_cls is None or getattr(original, "_kpool_fast", False):
+    unwrap = getattr(tl.core, "_unwrap_if_constexpr", None)
+    if None in (original, handle_cls, unwrap) or getattr(original, "_kpool_fast", False):
         return
-    unwrap = tl.core._unwrap_if_constexpr
 
-    def sort_impl(x, k=None, dim=None, descending=tl.core.CONSTEXPR_0):
+    def sort_impl(x, k=None, dim=None, descending=False):
         k, dim, descending = unwrap(k), unwrap(dim), unwrap(descending)
         if not x.dtype.is_int() or (dim is not None and dim != len(x.shape) - 1):
             return original(x, k=k, dim=dim, descending=descending)
