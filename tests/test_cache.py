@@ -401,7 +401,7 @@ class Harness:
         same_bytes(self.cache.kv_cache, kv, f"{what}: kv_cache")
         same_bytes(self.cache.tail, tail, f"{what}: tail")
         for r, n in zip(rids, accepted):
-            kind, start, sent = self.last[r]
+            _, start, sent = self.last[r]
             note("accept: rejects drafts" if n < sent else "accept: all")
             if n < sent and (start + sent) // self.P > (start + n) // self.P:
                 note("accept: rolls back a written pool")

@@ -301,24 +301,25 @@ def _install_single_lang_patch(interpreter) -> None:
     scope_cls = getattr(interpreter, "_LangPatchScope", None)
     if grid_cls is None or real is None or scope_cls is None or getattr(real, "_kpool_once", False):
         return
-    patched = []  # the launch's language modules while a grid runs
+    patched = None  # the launch's language modules while a grid runs
 
     def patch_lang(fn):
-        if patched and _lang_modules(fn) <= patched[-1]:
+        if patched is not None and _lang_modules(fn) <= patched:
             return scope_cls()  # nothing to restore
         return real(fn)
 
     launch = grid_cls.__call__
 
     def grid_call(self, *args, **kwargs):
-        if patched:
+        nonlocal patched
+        if patched is not None:
             return launch(self, *args, **kwargs)
         scope = real(self.fn)
-        patched.append(_lang_modules(self.fn))
+        patched = _lang_modules(self.fn)
         try:
             return launch(self, *args, **kwargs)  # its own _patch_lang: an empty scope
         finally:
-            patched.clear()
+            patched = None
             scope.restore()
 
     patch_lang._kpool_once = True

@@ -80,8 +80,7 @@ class _Request:
     length: int = 0  # committed tokens
     step_start: int = 0  # first position of the last step
     step_len: int = 0  # tokens in the last step
-    step_kind: str = ""
-    accepted: bool = False  # accept() ran on the last (decode) step
+    step_kind: str = ""  # "prefill", "decode", or "accepted" (a decode step accept() committed)
 
 
 class KPoolCache:
@@ -205,17 +204,17 @@ class KPoolCache:
             raise ValueError("request_ids must not repeat within an accept")
         reqs = [self._get(r) for r in request_ids]
         for rid, req, n in zip(request_ids, reqs, num_accepted):
+            if req.step_kind == "accepted":
+                raise ValueError(f"request {rid!r}: its last decode step was already accepted "
+                                 f"({req.step_len} tokens committed); accept() once per step")
             if req.step_kind != "decode":
                 raise ValueError(f"request {rid!r}: accept() follows a decode step, the last step was "
                                  f"{req.step_kind or 'none'}")
-            if req.accepted:
-                raise ValueError(f"request {rid!r}: its last decode step was already accepted "
-                                 f"({req.step_len} tokens committed); accept() once per step")
             if not 0 <= n <= req.step_len:
                 raise ValueError(f"num_accepted for request {rid!r} is {n}, its last step had {req.step_len} tokens")
         for req, n in zip(reqs, num_accepted):
             req.length = req.step_start + n
-            req.step_len, req.accepted = n, True
+            req.step_len, req.step_kind = n, "accepted"
 
     # ------------------------------------------------------------------ steps
     def prefill(self, request_ids, keys, gates, *, cu_seqlens=None) -> StepMetadata:
@@ -247,7 +246,7 @@ class KPoolCache:
             positions.append(pos)
             slots.append(slot)
             tslots.append(tslot)
-            req.step_start, req.step_len, req.step_kind, req.accepted, req.length = a, b - a, "prefill", False, b
+            req.step_start, req.step_len, req.step_kind, req.length = a, b - a, "prefill", b
         dev = self.device
         cat = lambda parts, width=None: (torch.cat(parts) if parts else  # noqa: E731
                                          torch.empty((0,) if width is None else (0, width), dtype=torch.int64))
@@ -306,7 +305,7 @@ class KPoolCache:
             req = self._requests[rid]
             for row, values in zip(grid, self._token_slots(req, a, a + n)):
                 row[i, :n] = values
-            req.step_start, req.step_len, req.step_kind, req.accepted, req.length = a, n, "decode", False, a + n
+            req.step_start, req.step_len, req.step_kind, req.length = a, n, "decode", a + n
         grid = _upload(grid, self.device)
         positions, slot_mapping, tail_slots = grid[0].to(torch.int32), grid[1], grid[2]
         with own_indices():  # slots of the cache's own pages and ring blocks
