@@ -805,6 +805,62 @@ def test_metadata_example(backend):
     assert c.pool_slot("x", 16) == px2 * page and c.pool_slot("x", 15) == px * page + 15
 
 
+def test_decode_slot_mappings_formula():
+    """``kpool.layout.decode_slot_mappings`` against the addressing rules, element by element:
+    padding, ring wrap, pools on every page column, pages missing (-1) or past the table."""
+    from kpool.layout import decode_slot_mappings
+    rng = random.Random(7)
+    for P, page, ring in ((4, 16, 8), (4, 64, 4), (16, 32, 32), (3, 5, 6)):
+        B, n, width = 9, 4, 3
+        table = [[rng.choice([-1] + list(range(40))) for _ in range(width)] for _ in range(B)]
+        blocks = [rng.randrange(50) for _ in range(B)]
+        pos = [[rng.choice([-1, -7] + list(range(width * page * P + 2 * P))) for _ in range(n)] for _ in range(B)]
+        slots, tslots = decode_slot_mappings(torch.tensor(pos, dtype=torch.int32), torch.tensor(blocks),
+                                             torch.tensor(table, dtype=torch.int32), P, page, ring)
+        assert slots.dtype == tslots.dtype == torch.int64
+        for b in range(B):
+            for j, q in enumerate(pos[b]):
+                col = q // P // page if q >= 0 else 0
+                pg = table[b][col] if q >= 0 and col < width else -1
+                want = pg * page + q // P % page if q >= 0 and (q + 1) % P == 0 and pg >= 0 else -1
+                assert int(slots[b, j]) == want, (P, page, b, j, q)
+                assert int(tslots[b, j]) == (blocks[b] * ring + q % ring if q >= 0 else -1), (P, b, j, q)
+    with pytest.raises(ValueError, match="ring_blocks"):
+        decode_slot_mappings(torch.zeros(2, 3), torch.zeros(3), torch.zeros(2, 1), 4, 16, 8)
+    with pytest.raises(ValueError, match="max_pages >= 1"):
+        decode_slot_mappings(torch.zeros(2, 3), torch.zeros(2), torch.zeros(2, 0), 4, 16, 8)
+
+
+def test_mappings_computed_once_write_another_layer(backend):
+    """An engine's flow: one cache plans the step, a second layer's buffers are written by the raw
+    decode op with ``decode_slot_mappings`` of the cache's page table, ring blocks and positions;
+    both layers end byte-identical (same keys / gates / ape), random bytes everywhere else."""
+    from kpool import kpool_decode_update_and_maybe_write_cache_batched
+    from kpool.layout import decode_slot_mappings
+    P, page = 4, 16
+    h = Harness(pool=P, spec=3, page=page, num_pages=12, max_requests=3, seed=51)
+    c, rids, toks = h.cache, ["a", "b", "c"], Tokens(52)
+    h.prefill(rids, [37, 6, 64])
+    kv2, tail2 = c.kv_cache.clone(), c.tail.clone()  # layer 2 after the same prefill, random bytes elsewhere
+    for step in range(6):
+        counts = [1 + (step + i) % 4 for i in range(3)]
+        width = max(counts)
+        keys = torch.zeros(3, width, D, dtype=torch.bfloat16, device=DEVICE)
+        gates = torch.zeros_like(keys)
+        for i, n in enumerate(counts):
+            k, g = toks(n)
+            keys[i, :n], gates[i, :n] = k, g
+        meta = c.decode(rids, keys, gates)
+        blocks = torch.tensor([c.ring_block(r) for r in rids], device=DEVICE)
+        slots, tslots = decode_slot_mappings(meta.positions, blocks, meta.page_table, P, page, c.ring)
+        assert torch.equal(slots, meta.slot_mapping) and torch.equal(tslots, meta.tail_slot_mapping)
+        kpool_decode_update_and_maybe_write_cache_batched(kv2, tail2, tslots, keys, gates, c.ape, slots,
+                                                          meta.positions, P, layout=c.layout, fp8_dtype=c.fp8_dtype)
+        same_bytes(kv2, c.kv_cache, f"step {step}: layer 2 kv_cache")
+        same_bytes(tail2, c.tail, f"step {step}: layer 2 tail")
+        c.accept(rids, [max(1, n - 1) for n in counts])
+
+
 # --- 5. packed input form ----------------------------------------------------------------
 
 def test_packed_matches_list(backend):

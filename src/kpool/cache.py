@@ -29,10 +29,11 @@ from . import reference
 from ._backend import backend_for
 from ._checks import (check_bool, check_device_type, check_page_layout, check_positive_int, check_slot_count,
                       check_tensor, int_list, own_indices)
-from .layout import (ENTRY_BYTES, HEAD_DIM, read_entries, resolve_fp8_dtype, resolve_layout, ring_size)
+from .layout import (ENTRY_BYTES, HEAD_DIM, decode_slot_mappings, read_entries, resolve_fp8_dtype,
+                     resolve_layout, ring_size)
 from .ops.decode import kpool_decode_update_and_maybe_write_cache_batched
 from .ops.logits import check_heads
-from .ops.prefill import REQUEST_FIELDS, write_prefill
+from .ops.prefill import write_prefill
 from .ops.quant import quantize_queries, quantize_queries_and_counts
 from .ops.select import expand_pools_and_append_tail, visible_counts
 from .ops.score import paged_pool_topk
@@ -126,6 +127,9 @@ class KPoolCache:
         self._free_pages = list(range(num_pages - 1, -1, -1))
         self._free_blocks = list(range(max_requests - 1, -1, -1))
         self._requests: dict = {}
+        # each live request's pages, in the row of its ring block (-1 padded; widened as pages
+        # are added): the host page table every step gathers its rows from
+        self._block_pages = torch.full((max_requests, 1), -1, dtype=torch.int64)
         self.last_step: StepMetadata | None = None
 
     # ------------------------------------------------------------------ queries
@@ -154,34 +158,29 @@ class KPoolCache:
         if not 0 <= pool < len(req.pages) * self.page_size:
             raise ValueError(f"pool {pool} of request {request_id!r} is outside its allocated pages "
                              f"(pools 0..{len(req.pages) * self.page_size - 1})")
-        return int(self._pool_locs(req, torch.tensor([pool]))[0])
+        return int(self._locs(self._table([req]), 0, torch.tensor(pool)))
 
-    def _pool_locs(self, req: _Request, pools: torch.Tensor) -> torch.Tensor:
-        """Flat cache slots (int64, CPU) of pool indices ``pools`` (int64, CPU) of ``req``."""
-        pages = torch.tensor(req.pages, dtype=torch.int64)
-        return pages[pools // self.page_size] * self.page_size + pools % self.page_size
+    def _locs(self, table, rows, pools):
+        """Flat cache slots (int64) of pools ``pools`` of the requests ``rows`` indexes in ``table``
+        (``_table`` rows; same shapes). A pool past its request's pages gives a meaningless value."""
+        col = (pools // self.page_size).clamp(0, table.shape[1] - 1)
+        return table[rows, col] * self.page_size + pools % self.page_size
 
-    def _token_slots(self, req: _Request, a: int, b: int):
-        """Positions ``[a, b)`` of ``req`` with their ``slot_mapping`` and ``tail_slot_mapping`` (int64, CPU)."""
-        p = self.pool_size
-        pos = torch.arange(a, b, dtype=torch.int64)
-        completes = pos % p == p - 1
-        slots = torch.full_like(pos, -1)
-        slots[completes] = self._pool_locs(req, pos[completes] // p)
-        return pos, slots, req.block * self.ring + pos % self.ring
+    def _table(self, reqs) -> torch.Tensor:
+        """int64 ``[R, max(1, most pages)]`` pages of ``reqs`` (CPU, -1 padded)."""
+        width = max([len(r.pages) for r in reqs] + [1])
+        blocks = torch.tensor([r.block for r in reqs], dtype=torch.int64)
+        return self._block_pages[:, :width].index_select(0, blocks)
 
     def page_table(self, request_ids) -> torch.Tensor:
         """int32 ``[R, max_pages]`` pages of each request (pool granularity, -1 padded)."""
-        reqs = [self._get(r) for r in request_ids]
-        width = max([len(r.pages) for r in reqs] + [1])
-        rows = [r.pages + [-1] * (width - len(r.pages)) for r in reqs]
-        return _upload(torch.tensor(rows, dtype=torch.int32).reshape(len(reqs), width), self.device)
+        return _upload(self._table([self._get(r) for r in request_ids]).to(torch.int32), self.device)
 
     def pooled_keys(self, request_id) -> tuple[torch.Tensor, torch.Tensor]:
         """Stored entries of the request's complete committed pools, in pool order:
         ``(codes [n_pools, 128] uint8, scales [n_pools] fp32)``."""
         req = self._get(request_id)
-        locs = self._pool_locs(req, torch.arange(req.length // self.pool_size, dtype=torch.int64))
+        locs = self._locs(self._table([req]), 0, torch.arange(req.length // self.pool_size, dtype=torch.int64))
         return read_entries(self.kv_cache, locs.to(self.device), self.layout)
 
     # ------------------------------------------------------------------ lifecycle
@@ -190,6 +189,7 @@ class KPoolCache:
         req = self._get(request_id)
         self._free_pages.extend(reversed(req.pages))
         self._free_blocks.append(req.block)
+        self._block_pages[req.block] = -1
         del self._requests[request_id]
 
     def accept(self, request_ids, num_accepted) -> None:
@@ -230,40 +230,47 @@ class KPoolCache:
         new_ids = [r for r in request_ids if r not in self._requests]
         starts = [self._requests[r].length if r in self._requests else 0 for r in request_ids]
         self._reserve(request_ids, new_ids, [s + n for s, n in zip(starts, lengths)])
-        p = self.pool_size
-        meta, locs, heads, positions, slots, tslots = [], [], [], [], [], []
-        for rid, (row0, row1), a in zip(request_ids, bounds, starts):
-            req = self._requests[rid]
-            b = a + (row1 - row0)
-            pools = torch.arange(a // p, b // p, dtype=torch.int64)
-            meta.append(torch.stack((row0 + pools * p - a, torch.full_like(pools, req.block), pools * p,
-                                     torch.clamp(a - pools * p, min=0)), dim=1))
-            locs.append(self._pool_locs(req, pools))
-            head = a % p != 0 and b // p > a // p  # completes the pool it starts in: slots from the ring
-            heads.append([row1, b, req.block, min(b - a, b % p)]
-                         + ([row0 - a % p, a - a % p, a % p, int(locs[-1][0])] if head else [0, 0, 0, -1]))
-            pos, slot, tslot = self._token_slots(req, a, b)
-            positions.append(pos)
-            slots.append(slot)
-            tslots.append(tslot)
-            req.step_start, req.step_len, req.step_kind, req.length = a, b - a, "prefill", b
+        reqs = [self._requests[r] for r in request_ids]
+        p, i64 = self.pool_size, torch.int64
+        start = torch.tensor(starts, dtype=i64)
+        end = start + torch.tensor(lengths, dtype=i64)
+        row0 = torch.tensor([r0 for r0, _ in bounds], dtype=i64)
+        blocks = torch.tensor([r.block for r in reqs], dtype=i64)
+        table = self._table(reqs)
+        # pools the chunks complete: a // P .. b // P - 1 of each request
+        first, n_pools = start // p, end // p - start // p
+        owner, pools = _ranges(first, n_pools)
+        locs_t = self._locs(table, owner, pools)
+        meta_t = torch.stack((row0[owner] + pools * p - start[owner], blocks[owner], pools * p,
+                              (start[owner] - pools * p).clamp_(min=0)), dim=1)
+        # a chunk starting mid-pool that completes it reads the pool's leading slots from the ring
+        head = (start % p != 0) & (n_pools > 0)
+        lead = start % p
+        first_loc = self._locs(table, torch.arange(len(reqs)), first)
+        heads = torch.stack((row0 + (end - start), end, blocks, torch.minimum(end - start, end % p),
+                             torch.where(head, row0 - lead, 0), torch.where(head, start - lead, 0),
+                             torch.where(head, lead, 0), torch.where(head, first_loc, -1)), dim=1)
+        # every token: position, pool slot where it completes one, ring slot
+        rows, pos = _ranges(start, end - start)
+        slots = torch.full_like(pos, -1)
+        slots[pos % p == p - 1] = locs_t  # the completing tokens, in the order of the pools
+        tslots = blocks[rows] * self.ring + pos % self.ring
+        for req, a, n in zip(reqs, starts, lengths):
+            req.step_start, req.step_len, req.step_kind, req.length = a, n, "prefill", a + n
         dev = self.device
-        cat = lambda parts, width=None: (torch.cat(parts) if parts else  # noqa: E731
-                                         torch.empty((0,) if width is None else (0, width), dtype=torch.int64))
-        meta_t, locs_t = cat(meta, 4), cat(locs)
         inside = meta_t[:, 3] == 0  # the head pools are written by their request's program
         with own_indices():  # slots and pool rows of the cache's own pages
             write_prefill(self.kv_cache, self.tail, key, gate, self.ape,
                           _upload(torch.stack((meta_t[inside, 0], locs_t[inside]), 1), dev),
-                          _upload(torch.tensor(heads, dtype=torch.int64).reshape(-1, REQUEST_FIELDS), dev), p,
+                          _upload(heads, dev), p,
                           layout=self.layout, fp8_dtype=self.fp8_dtype, round_scale=self.round_scale)
         meta_t, locs_t = _upload(meta_t, dev), _upload(locs_t, dev)
         cu = [0]
         for n in lengths:
             cu.append(cu[-1] + n)
         self.last_step = StepMetadata(
-            "prefill", list(request_ids), _upload(cat(positions).to(torch.int32), dev), _upload(cat(slots), dev),
-            _upload(cat(tslots), dev), self.page_table(request_ids), _upload(torch.tensor(cu, dtype=torch.int32), dev),
+            "prefill", list(request_ids), _upload(pos.to(torch.int32), dev), _upload(slots, dev),
+            _upload(tslots, dev), _upload(table.to(torch.int32), dev), _upload(torch.tensor(cu, dtype=torch.int32), dev),
             meta_t, locs_t)
         return self.last_step
 
@@ -297,14 +304,18 @@ class KPoolCache:
             if n > self.max_spec_tokens + 1:
                 raise ValueError(f"request {rid!r} sends {n} tokens in one step; max_spec_tokens = "
                                  f"{self.max_spec_tokens} allows {self.max_spec_tokens + 1}")
-        starts = [self._requests[r].length for r in request_ids]
+        reqs = [self._requests[r] for r in request_ids]
+        starts = [r.length for r in reqs]
         self._reserve(request_ids, [], [s + n for s, n in zip(starts, counts)])
-        p, width = self.pool_size, key.shape[1]
-        grid = torch.full((3, len(request_ids), width), -1, dtype=torch.int64)  # positions, slots, tail slots
-        for i, (rid, a, n) in enumerate(zip(request_ids, starts, counts)):
-            req = self._requests[rid]
-            for row, values in zip(grid, self._token_slots(req, a, a + n)):
-                row[i, :n] = values
+        p, width, i64 = self.pool_size, key.shape[1], torch.int64
+        table = self._table(reqs)
+        col = torch.arange(width, dtype=i64)
+        pos = (torch.tensor(starts, dtype=i64)[:, None] + col).masked_fill_(
+            col >= torch.tensor(counts, dtype=i64)[:, None], -1)  # -1: rows of shorter lists
+        slots, tslots = decode_slot_mappings(pos, torch.tensor([r.block for r in reqs], dtype=i64), table, p,
+                                             self.page_size, self.ring)
+        grid = torch.stack((pos, slots, tslots))  # positions, slots, tail slots
+        for req, a, n in zip(reqs, starts, counts):
             req.step_start, req.step_len, req.step_kind, req.length = a, n, "decode", a + n
         grid = _upload(grid, self.device)
         positions, slot_mapping, tail_slots = grid[0].to(torch.int32), grid[1], grid[2]
@@ -313,7 +324,7 @@ class KPoolCache:
                 self.kv_cache, self.tail, tail_slots, key, gate, self.ape, slot_mapping, positions, p,
                 round_scale=self.round_scale, layout=self.layout, fp8_dtype=self.fp8_dtype)
         self.last_step = StepMetadata("decode", list(request_ids), positions, slot_mapping, tail_slots,
-                                      self.page_table(request_ids))
+                                      _upload(table.to(torch.int32), self.device))
         return self.last_step
 
     # ------------------------------------------------------------------ scoring
@@ -372,10 +383,8 @@ class KPoolCache:
         heads = q.shape[1]
         check_heads("q", heads)
         check_tensor("weights", weights, dtype=torch.float32, shape=(total, heads), device=self.device)
-        budget = logits_budget_bytes()
-        out = torch.empty((total + 1, width), dtype=torch.int32, device=self.device)  # row T: sink of padding
         if total == 0:
-            return out[:0]
+            return torch.empty((0, width), dtype=torch.int32, device=self.device)
         q8, _, w = quantize_queries(q, weights, fp8_dtype=self.fp8_dtype, round_scale=self.round_scale)
         short, items, row = [], [], 0  # short: (row0, pos0, n) runs scored by identity; items: long runs
         for i, (req, n) in enumerate(zip(reqs, counts)):
@@ -387,31 +396,36 @@ class KPoolCache:
             if a + n > first_long:
                 items.append((i, row + first_long - a, first_long, a + n - first_long, (a + n) // p))
             row += n
+        chunks = _plan_chunks(items, logits_budget_bytes(), p, scratch_bytes_per_pool(self.device)) if items else []
+        out = None
         with own_indices():  # the cache built every index it passes: no syncs between the grids
-            if short:
-                self._identity_rows(out, short, select_k, width)
-            if items:
-                page_table = self.page_table(request_ids)
-                for chunk in _plan_chunks(items, budget, self.pool_size, scratch_bytes_per_pool(self.device)):
-                    self._score_chunk(out, chunk, q8, w, page_table, select_k, width, total)
+            page_table = self.page_table(request_ids) if items else None
+            grids = ([lambda: self._identity_rows(short, select_k, width)] if short else []) + [
+                lambda c=c: self._score_chunk(c, q8, w, page_table, select_k, width, total) for c in chunks]
+            for grid in grids:
+                rows, idx = grid()
+                if len(grids) == 1 and isinstance(rows, int):  # one grid of every row, in order: the result
+                    return idx
+                if out is None:
+                    out = torch.empty((total + 1, width), dtype=torch.int32, device=self.device)  # row T: padding
+                _put_rows(out, rows, idx)
         return out[:total]
 
-    def _identity_rows(self, out, runs, select_k, width) -> None:
-        """Rows seeing at most ``select_k`` pools: every visible pool in order, then the tail."""
-        _, seq, lens = _row_counts(torch.cat([torch.arange(a, a + n, dtype=torch.int64) for _, a, n in runs]),
-                                   self.pool_size, self.device)
+    def _identity_rows(self, runs, select_k, width) -> tuple:
+        """Rows seeing at most ``select_k`` pools (``runs``: ``(first row, first position, rows)``):
+        every visible pool in order, then the tail. Returns ``(rows, idx)`` as ``_put_rows`` takes them."""
+        first_rows, starts, ms = (torch.tensor(c, dtype=torch.int64) for c in zip(*runs))
+        _, seq, lens = _row_counts(_ranges(starts, ms)[1], self.pool_size, self.device)
         cols = torch.arange(select_k, dtype=torch.int64, device=self.device)
         ids = torch.where(cols[None, :] < lens[:, None], cols[None, :], -1).to(torch.int32)
         idx = expand_pools_and_append_tail(ids, seq, self.pool_size, width=width)
         if all(r1 == r0 + n0 for (r0, _, n0), (r1, _, _) in zip(runs, runs[1:])):
-            rows = runs[0][0]
-        else:
-            rows = _upload(torch.cat([torch.arange(r0, r0 + n, dtype=torch.int64) for r0, _, n in runs]), out.device)
-        _put_rows(out, rows, idx)
+            return runs[0][0], idx
+        return _upload(_ranges(first_rows, ms)[1], self.device), idx
 
-    def _score_chunk(self, out, chunk, q8, w, page_table, select_k, width, total) -> None:
+    def _score_chunk(self, chunk, q8, w, page_table, select_k, width, total) -> tuple:
         """One grid ``[B, n]`` of long rows (``chunk``: items of ``_plan_chunks``, padded to the
-        longest; padding rows go to the sink row ``total`` of ``out``)."""
+        longest; padding rows go to the sink row ``total``). Returns ``(rows, idx)`` as ``_put_rows`` takes them."""
         reqs, first_rows, starts, ms, vis = (list(c) for c in zip(*chunk))
         dev, batch, n = self.device, len(chunk), max(ms)
         col = torch.arange(n, dtype=torch.int64)
@@ -432,7 +446,7 @@ class KPoolCache:
             q8c.reshape(batch, n, *q8.shape[1:]), wc.reshape(batch, n, w.shape[1]), self.kv_cache, pt,
             pos, pool_size=self.pool_size, select_k=select_k, width=width, max_pools=max(vis),
             layout=self.layout, fp8_dtype=self.fp8_dtype, counts=(seq, lens))
-        _put_rows(out, rows, idx)
+        return rows, idx
 
     # ------------------------------------------------------------------ helpers
     def _get(self, request_id) -> _Request:
@@ -486,18 +500,29 @@ class KPoolCache:
         if len(new_ids) > len(self._free_blocks):
             raise CacheCapacityError(f"too many requests: {len(new_ids)} new, {len(self._free_blocks)} ring blocks "
                                      f"free (max_requests = {self.tail.shape[0]})")
-        need = {}
-        for rid, length in zip(request_ids, new_lengths):
-            have = len(self._requests[rid].pages) if rid in self._requests else 0
-            pools = length // self.pool_size
-            need[rid] = max(-(-pools // self.page_size) - have, 0)
-        total = sum(need.values())
+        have = [len(self._requests[r].pages) if r in self._requests else 0 for r in request_ids]
+        need = [max(-(-(length // self.pool_size) // self.page_size) - h, 0) for length, h in zip(new_lengths, have)]
+        total = sum(need)
         if total > len(self._free_pages):
             raise CacheCapacityError(f"out of pages: the step needs {total}, {len(self._free_pages)} free")
         for rid in new_ids:
             self._requests[rid] = _Request(block=self._free_blocks.pop())
-        for rid, n in need.items():
-            self._requests[rid].pages += [self._free_pages.pop() for _ in range(n)]
+        if not total:
+            return
+        blocks, cols, pages = [], [], []
+        for rid, h, n in zip(request_ids, have, need):
+            if n:
+                req = self._requests[rid]
+                req.pages += [self._free_pages.pop() for _ in range(n)]
+                blocks += [req.block] * n
+                cols += range(h, h + n)
+                pages += req.pages[h:]
+        width = self._block_pages.shape[1]
+        if max(cols) >= width:  # widen the page rows (doubling)
+            wider = torch.full((self._block_pages.shape[0], max(max(cols) + 1, 2 * width)), -1, dtype=torch.int64)
+            wider[:, :width] = self._block_pages
+            self._block_pages = wider
+        self._block_pages[torch.tensor(blocks), torch.tensor(cols)] = torch.tensor(pages, dtype=torch.int64)
 
 
 # ---------------------------------------------------------------------- scoring helpers
@@ -539,30 +564,35 @@ def _plan_chunks(items, budget, pool_size, per_pool=SCRATCH_BYTES_PER_POOL):
     padding stays under half of the grid; a run too large alone is split into pieces.
     """
     chunks, cur = [], []
-
-    def cost(group):
-        return len(group) * max(it[3] for it in group) * max(it[4] for it in group) * per_pool
-
+    most_rows = most_pools = rows_held = 0  # of ``cur``: longest run, most visible pools, rows
     for it in items:
         i, r0, a, m, vis = it
         if m * vis * per_pool > budget:  # alone over budget: pieces of whole rows (at least one)
             if cur:
                 chunks.append(cur)
-                cur = []
+                cur, most_rows, most_pools, rows_held = [], 0, 0, 0
             step = max(1, budget // (per_pool * vis))
             for t in range(0, m, step):
                 k = min(step, m - t)
                 chunks.append([(i, r0 + t, a + t, k, (a + t + k) // pool_size)])
             continue
-        grown = cur + [it]
-        rows = len(grown) * max(g[3] for g in grown)
-        if cur and (cost(grown) > budget or rows > 2 * sum(g[3] for g in grown)):
+        longest, widest, held = max(most_rows, m), max(most_pools, vis), rows_held + m
+        grid_rows = (len(cur) + 1) * longest
+        if cur and (grid_rows * widest * per_pool > budget or grid_rows > 2 * held):
             chunks.append(cur)
-            grown = [it]
-        cur = grown
+            cur, longest, widest, held = [], m, vis, m
+        cur.append(it)
+        most_rows, most_pools, rows_held = longest, widest, held
     if cur:
         chunks.append(cur)
     return chunks
+
+
+def _ranges(starts: torch.Tensor, counts: torch.Tensor) -> tuple:
+    """``arange(starts[i], starts[i] + counts[i])`` for every ``i``, concatenated (int64 CPU
+    tensors ``[R]``): ``(owner, values)``, ``owner`` the ``i`` of each value."""
+    owner = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    return owner, (starts - torch.cumsum(counts, 0) + counts)[owner] + torch.arange(owner.numel())
 
 
 def _upload(t: torch.Tensor, device) -> torch.Tensor:

@@ -85,6 +85,42 @@ def ring_size(pool_size: int, num_spec_tokens: int = 0) -> int:
     return pool_size * (1 << (groups - 1).bit_length())
 
 
+def decode_slot_mappings(positions: torch.Tensor, ring_blocks: torch.Tensor, page_table: torch.Tensor,
+                         pool_size: int, page_size: int, ring: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-token mappings of a decode / verify step, as ``KPoolCache.decode`` builds them.
+
+    ``slot_mapping`` and ``tail_slot_mapping`` are the same for every layer of a step: an
+    engine can compute them once (on the GPU, inside a captured graph: elementwise torch, no
+    host sync) and pass them to each layer's ``kpool_decode_update_and_maybe_write_cache_batched``.
+
+    positions : int ``[B, next_n]`` token positions, negative = padding.
+    ring_blocks : int ``[B]`` each request's ring block.
+    page_table : int ``[B, max_pages]`` pool-granular pages, -1 padded: pool ``m`` of row
+        ``b`` lives at flat slot ``page_table[b, m // page_size] * page_size + m % page_size``.
+    pool_size, page_size, ring : P, PAGE, RING (``ring_size``).
+
+    Returns int64 ``(slot_mapping, tail_slot_mapping)``, each ``[B, next_n]``: the flat slot
+    of pool ``pos // P`` where ``(pos + 1) % P == 0``, else -1 (also -1 where that pool's page
+    is -1 or beyond ``max_pages``: allocate pages first, nothing checks it here);
+    ``block * RING + pos % RING``, -1 on padding.
+    """
+    if positions.ndim != 2 or ring_blocks.shape != positions.shape[:1] or page_table.ndim != 2 \
+            or page_table.shape[0] != positions.shape[0] or page_table.shape[1] < 1:
+        raise ValueError(f"decode_slot_mappings takes positions [B, next_n], ring_blocks [B] and page_table "
+                         f"[B, max_pages >= 1], got {list(positions.shape)}, {list(ring_blocks.shape)}, "
+                         f"{list(page_table.shape)}")
+    pos = positions.to(torch.int64)
+    live = pos >= 0
+    pool = pos.clamp(min=0) // pool_size
+    col = pool // page_size
+    page = page_table.to(torch.int64).gather(1, col.clamp(max=page_table.shape[1] - 1))
+    page = torch.where(col < page_table.shape[1], page, -1)
+    completes = live & (pos % pool_size == pool_size - 1) & (page >= 0)
+    slot_mapping = torch.where(completes, page * page_size + pool % page_size, -1)
+    tail_slot_mapping = torch.where(live, ring_blocks.to(torch.int64)[:, None] * ring + pos % ring, -1)
+    return slot_mapping, tail_slot_mapping
+
+
 def key_byte_offset(state: torch.Tensor, dim: torch.Tensor, layout: str) -> torch.Tensor:
     """Byte offset inside a page of key code (state, dim); broadcasting int64 tensors."""
     if layout == "plain":

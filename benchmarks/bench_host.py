@@ -1,0 +1,236 @@
+#!/usr/bin/env python
+"""Host time of ``KPoolCache`` steps: what the CPU spends planning a step before it returns.
+
+    python benchmarks/bench_host.py [--quick] [--out results/host_cpu.json] [--readme README.md]
+
+A serving engine calls ``prefill`` / ``decode`` + ``accept`` / ``topk_indices`` once per
+layer and step, on the thread that launches the model's kernels: the bookkeeping (slot
+mappings, ring slots, page tables, row plans) and the uploads are time no GPU hides.
+Cases (GLM-5.3-Flash geometry: P = 4, page 64, RING 8 for 3 drafts, 32 heads):
+
+* ``prefill``: ``R`` new requests of ``L`` tokens each, packed (``cu_seqlens``);
+* ``decode``: a ``decode`` of ``next_n`` tokens per request then ``accept`` of one token each,
+  ``B`` requests at ``ctx`` tokens of context;
+* ``topk_indices``: the selection of the ``B x next_n`` rows of that decode step.
+
+Timing: ``time.perf_counter`` around each call, median of ``--reps`` calls (p20 / p80 kept).
+On a GPU the kernels run for real and the time is the host's until the call returns (the
+stream is synchronized before each call, never inside it). Off the GPU the kernels would
+run synchronously on the CPU, so their entry points in ``kpool.cache`` are replaced by
+stubs that only allocate their outputs (``"kernels": "stubbed"`` in the JSON): the time is
+the planning alone. The JSON records the machine, versions and commit; ``--readme``
+rewrites the README's table between ``<!-- host:start -->`` and ``<!-- host:end -->``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+ROOT = BENCH_DIR.parent
+try:
+    import kpool
+except ImportError:
+    sys.path.insert(0, str(ROOT / "src"))
+    import kpool
+
+import kpool.cache as cache_mod  # noqa: E402
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+sys.path.insert(0, str(BENCH_DIR))
+from harness import git_info  # noqa: E402
+
+P, PAGE, SPEC, HEADS, INDEX_TOPK = 4, 64, 3, 32, 2048
+START, END = "<!-- host:start -->", "<!-- host:end -->"
+
+
+def cases(quick: bool) -> list[dict]:
+    """Prefill batches and decode batches (with their selection), smallest first."""
+    batches = [1, 64, 256] if quick else [1, 64, 256, 1024]
+    out = [{"op": "prefill", "R": r, "L": n} for r, n in ([(1, 8192), (64, 1024)] if quick else
+                                                        [(1, 8192), (64, 1024), (256, 1024)])]
+    for b in batches:
+        for n in (1, 4):
+            out.append({"op": "decode", "B": b, "next_n": n, "ctx": 4096})
+        out.append({"op": "topk_indices", "B": b, "next_n": 4, "ctx": 4096})
+    return out
+
+
+def label(case: dict) -> str:
+    if case["op"] == "prefill":
+        return f"prefill R={case['R']} L={case['L']}"
+    return f"{case['op']} B={case['B']} next_n={case['next_n']} ctx={case['ctx']}"
+
+
+def stub_kernels() -> None:
+    """Replace the kernel entry points ``kpool.cache`` calls by output allocations (CPU runs)."""
+    def write_prefill(*args, **kwargs):
+        return None
+
+    def decode_update(*args, **kwargs):
+        return None
+
+    def quantize_queries(q, weights, **kwargs):
+        return torch.empty(q.shape, dtype=torch.uint8), None, torch.empty(weights.shape)
+
+    def score_and_select_quantized(q8, w, kv_cache, page_table, positions, *, width, **kwargs):
+        return torch.empty((positions.numel(), width), dtype=torch.int32)
+
+    def expand(ids, seq_lens, pool_size, *, width):
+        return torch.empty((ids.shape[0], width), dtype=torch.int32)
+
+    cache_mod.write_prefill = write_prefill
+    cache_mod.kpool_decode_update_and_maybe_write_cache_batched = decode_update
+    cache_mod.quantize_queries = quantize_queries
+    cache_mod.score_and_select_quantized = score_and_select_quantized
+    cache_mod.expand_pools_and_append_tail = expand
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e6
+
+
+def _cache(device, requests: int, tokens: int):
+    pages = requests * (-(-tokens // (P * PAGE)) + 1) + 1
+    ape = torch.randn(P, 128, generator=torch.Generator().manual_seed(0))
+    return kpool.KPoolCache(pages, page_size=PAGE, pool_size=P, max_requests=requests, max_spec_tokens=SPEC,
+                            ape=ape, device=device)
+
+
+def _rows(device, n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 128, generator=g).to(torch.bfloat16).to(device)
+
+
+def _fill(cache, ids, ctx, device, group=64) -> None:
+    """Prefill ``ctx`` tokens for each id, ``group`` requests per call (one shared key tensor)."""
+    key = _rows(device, group * ctx, 1)
+    for i in range(0, len(ids), group):
+        part = ids[i:i + group]
+        cache.prefill(part, key[: len(part) * ctx], key[: len(part) * ctx],
+                      cu_seqlens=[j * ctx for j in range(len(part) + 1)])
+
+
+def measure(case: dict, device, reps: int) -> list[float]:
+    """Host microseconds of ``reps`` calls of the case's step."""
+    times = []
+    if case["op"] == "prefill":
+        r, n = case["R"], case["L"]
+        cache = _cache(device, r, n)
+        key = _rows(device, r * n, 2)
+        cu = [i * n for i in range(r + 1)]
+        for k in range(reps + 1):
+            ids = [f"p{k}-{i}" for i in range(r)]
+            t = _timed(lambda: cache.prefill(ids, key, key, cu_seqlens=cu), device)
+            times.append(t)
+            for rid in ids:
+                cache.free(rid)
+        return times[1:]
+    b, n = case["B"], case["next_n"]
+    cache = _cache(device, b, case["ctx"] + (reps + 1) * (n + 1))
+    ids = [f"r{i}" for i in range(b)]
+    _fill(cache, ids, case["ctx"], device)
+    step = _rows(device, b * n, 3).view(b, n, 128)
+    q = torch.randn(b * n, HEADS, 128, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).to(device)
+    w = torch.randn(b * n, HEADS, generator=torch.Generator().manual_seed(5)).to(device)
+    ones = [1] * b
+    for _ in range(reps + 1):
+        if case["op"] == "decode":
+            times.append(_timed(lambda: (cache.decode(ids, step, step), cache.accept(ids, ones)), device))
+        else:
+            cache.decode(ids, step, step)
+            times.append(_timed(lambda: cache.topk_indices(ids, q, w, index_topk=INDEX_TOPK), device))
+            cache.accept(ids, ones)
+    return times[1:]
+
+
+def _quantile(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
+
+
+def environment(device, stubbed: bool) -> dict:
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "cpu": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "kernels": "stubbed" if stubbed else "real",
+        "git": git_info(),
+    }
+
+
+def table(doc: dict) -> str:
+    env = doc["environment"]
+    commit = (env["git"].get("commit") or "?")[:12]
+    lines = [f"<!-- generated by benchmarks/bench_host.py into {doc['path']}; do not edit -->", "",
+             f"Host time per call, µs (median; p20-p80), {env['device']} ({env['cpu']}, {env['threads']} threads), "
+             f"torch {env['torch']}, commit `{commit}`, kernels {env['kernels']}:", "",
+             "| step | µs | p20-p80 |", "|---|---:|---|"]
+    for rec in doc["records"]:
+        lines.append(f"| {rec['label']} | {rec['us']:.0f} | {rec['p20_us']:.0f}-{rec['p80_us']:.0f} |")
+    return "\n".join(lines)
+
+
+def write_readme(path: Path, text: str) -> None:
+    body = path.read_text()
+    if START not in body or END not in body:
+        raise SystemExit(f"{path} has no {START} ... {END} section")
+    head, rest = body.split(START, 1)
+    _, tail = rest.split(END, 1)
+    path.write_text(f"{head}{START}\n{text}\n{END}{tail}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smaller batches (CI smoke)")
+    ap.add_argument("--reps", type=int, default=20, help="timed calls per case")
+    ap.add_argument("--only", default=None, help="regular expression: run the cases whose label matches")
+    ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    ap.add_argument("--out", default=None, help="write the JSON here")
+    ap.add_argument("--readme", default=None, help="rewrite this README's host-time section from the run")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    stubbed = device.type != "cuda"
+    if stubbed:
+        stub_kernels()
+    records = []
+    for case in cases(args.quick):
+        if args.only and not re.search(args.only, label(case)):
+            continue
+        us = measure(case, device, args.reps)
+        rec = dict(case, label=label(case), us=statistics.median(us), p20_us=_quantile(us, 0.2),
+                   p80_us=_quantile(us, 0.8), reps=len(us))
+        records.append(rec)
+        print(f"{rec['label']:<40} {rec['us']:>10.0f} us  (p20 {rec['p20_us']:.0f}, p80 {rec['p80_us']:.0f})",
+              flush=True)
+    doc = {"environment": environment(device, stubbed), "records": records, "path": args.out or "-"}
+    if args.out:
+        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    if args.readme:
+        write_readme(Path(args.readme), table(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
