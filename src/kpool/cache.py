@@ -239,7 +239,8 @@ class KPoolCache:
         table = self._table(reqs)
         # pools the chunks complete: a // P .. b // P - 1 of each request
         first, n_pools = start // p, end // p - start // p
-        owner, pools = _ranges(first, n_pools)
+        owner = torch.arange(len(reqs)).repeat_interleave(n_pools)
+        pools = _ranges(first, n_pools)
         locs_t = self._locs(table, owner, pools)
         meta_t = torch.stack((row0[owner] + pools * p - start[owner], blocks[owner], pools * p,
                               (start[owner] - pools * p).clamp_(min=0)), dim=1)
@@ -251,17 +252,17 @@ class KPoolCache:
                              torch.where(head, row0 - lead, 0), torch.where(head, start - lead, 0),
                              torch.where(head, lead, 0), torch.where(head, first_loc, -1)), dim=1)
         # every token: position, pool slot where it completes one, ring slot
-        rows, pos = _ranges(start, end - start)
+        pos = _ranges(start, end - start)
         slots = torch.full_like(pos, -1)
-        slots[pos % p == p - 1] = locs_t  # the completing tokens, in the order of the pools
-        tslots = blocks[rows] * self.ring + pos % self.ring
+        slots[meta_t[:, 0] + (p - 1)] = locs_t  # each pool's last token (row) completes it
+        tslots = (blocks * self.ring).repeat_interleave(end - start) + pos % self.ring
         for req, a, n in zip(reqs, starts, lengths):
             req.step_start, req.step_len, req.step_kind, req.length = a, n, "prefill", a + n
         dev = self.device
         inside = meta_t[:, 3] == 0  # the head pools are written by their request's program
         with own_indices():  # slots and pool rows of the cache's own pages
             write_prefill(self.kv_cache, self.tail, key, gate, self.ape,
-                          _upload(torch.stack((meta_t[inside, 0], locs_t[inside]), 1), dev),
+                          _upload(torch.stack((meta_t[:, 0], locs_t), 1)[inside], dev),
                           _upload(heads, dev), p,
                           layout=self.layout, fp8_dtype=self.fp8_dtype, round_scale=self.round_scale)
         meta_t, locs_t = _upload(meta_t, dev), _upload(locs_t, dev)
@@ -415,13 +416,13 @@ class KPoolCache:
         """Rows seeing at most ``select_k`` pools (``runs``: ``(first row, first position, rows)``):
         every visible pool in order, then the tail. Returns ``(rows, idx)`` as ``_put_rows`` takes them."""
         first_rows, starts, ms = (torch.tensor(c, dtype=torch.int64) for c in zip(*runs))
-        _, seq, lens = _row_counts(_ranges(starts, ms)[1], self.pool_size, self.device)
+        _, seq, lens = _row_counts(_ranges(starts, ms), self.pool_size, self.device)
         cols = torch.arange(select_k, dtype=torch.int64, device=self.device)
         ids = torch.where(cols[None, :] < lens[:, None], cols[None, :], -1).to(torch.int32)
         idx = expand_pools_and_append_tail(ids, seq, self.pool_size, width=width)
         if all(r1 == r0 + n0 for (r0, _, n0), (r1, _, _) in zip(runs, runs[1:])):
             return runs[0][0], idx
-        return _upload(_ranges(first_rows, ms)[1], self.device), idx
+        return _upload(_ranges(first_rows, ms), self.device), idx
 
     def _score_chunk(self, chunk, q8, w, page_table, select_k, width, total) -> tuple:
         """One grid ``[B, n]`` of long rows (``chunk``: items of ``_plan_chunks``, padded to the
@@ -588,11 +589,11 @@ def _plan_chunks(items, budget, pool_size, per_pool=SCRATCH_BYTES_PER_POOL):
     return chunks
 
 
-def _ranges(starts: torch.Tensor, counts: torch.Tensor) -> tuple:
-    """``arange(starts[i], starts[i] + counts[i])`` for every ``i``, concatenated (int64 CPU
-    tensors ``[R]``): ``(owner, values)``, ``owner`` the ``i`` of each value."""
-    owner = torch.repeat_interleave(torch.arange(counts.numel()), counts)
-    return owner, (starts - torch.cumsum(counts, 0) + counts)[owner] + torch.arange(owner.numel())
+def _ranges(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``arange(starts[i], starts[i] + counts[i])`` for every ``i``, concatenated (int64 CPU tensors ``[R]``)."""
+    total = int(counts.sum())
+    return (starts - torch.cumsum(counts, 0) + counts).repeat_interleave(counts, output_size=total) \
+        + torch.arange(total)
 
 
 def _upload(t: torch.Tensor, device) -> torch.Tensor:
