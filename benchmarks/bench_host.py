@@ -68,7 +68,8 @@ def cases(quick: bool) -> list[dict]:
 def label(case: dict) -> str:
     if case["op"] == "prefill":
         return f"prefill R={case['R']} L={case['L']}"
-    return f"{case['op']} B={case['B']} next_n={case['next_n']} ctx={case['ctx']}"
+    op = "decode + accept" if case["op"] == "decode" else case["op"]
+    return f"{op} B={case['B']} next_n={case['next_n']} ctx={case['ctx']}"
 
 
 def stub_kernels() -> None:
@@ -166,11 +167,22 @@ def _quantile(xs, q):
     return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
 
 
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux), else the platform's processor string."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def environment(device, stubbed: bool) -> dict:
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_name(),
         "threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "torch": torch.__version__,
