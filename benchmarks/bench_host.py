@@ -72,8 +72,9 @@ def label(case: dict) -> str:
     return f"{op} B={case['B']} next_n={case['next_n']} ctx={case['ctx']}"
 
 
-def stub_kernels() -> None:
-    """Replace the kernel entry points ``kpool.cache`` calls by output allocations (CPU runs)."""
+def stubs() -> dict:
+    """Stand-ins for the kernel entry points ``kpool.cache`` calls (CPU runs): each only
+    allocates its outputs. ``main`` installs them as attributes of ``kpool.cache``."""
     def write_prefill(*args, **kwargs):
         return None
 
@@ -89,11 +90,9 @@ def stub_kernels() -> None:
     def expand(ids, seq_lens, pool_size, *, width):
         return torch.empty((ids.shape[0], width), dtype=torch.int32)
 
-    cache_mod.write_prefill = write_prefill
-    cache_mod.kpool_decode_update_and_maybe_write_cache_batched = decode_update
-    cache_mod.quantize_queries = quantize_queries
-    cache_mod.score_and_select_quantized = score_and_select_quantized
-    cache_mod.expand_pools_and_append_tail = expand
+    return {"write_prefill": write_prefill, "kpool_decode_update_and_maybe_write_cache_batched": decode_update,
+            "quantize_queries": quantize_queries, "score_and_select_quantized": score_and_select_quantized,
+            "expand_pools_and_append_tail": expand}
 
 
 def _sync(device):
@@ -225,7 +224,8 @@ def main(argv=None) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     stubbed = device.type != "cuda"
     if stubbed:
-        stub_kernels()
+        for name, fn in stubs().items():
+            setattr(cache_mod, name, fn)
     records = []
     for case in cases(args.quick):
         if args.only and not re.search(args.only, label(case)):

@@ -256,6 +256,38 @@ def test_committed_tables_match_the_results_json():
         assert text[text.index(start):text.index(end) + len(end)] == block, f"{path.name} is stale"
 
 
+def test_bench_host_runs_and_renders(tmp_path, monkeypatch):
+    """``bench_host.py`` (host time of KPoolCache steps, kernels stubbed on the CPU): the cases
+    it is told to run, one record each, and the README block between its markers."""
+    import kpool.cache as cache_mod
+    bh = _load("bench_host")
+    for name, fn in bh.stubs().items():
+        assert callable(getattr(cache_mod, name)), name  # every stub replaces a real entry point
+        monkeypatch.setattr(cache_mod, name, fn)
+    monkeypatch.setattr(bh, "stubs", lambda: {})  # main would install them for good
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n<!-- host:start -->\nold\n<!-- host:end -->\ntail\n")
+    out = tmp_path / "host.json"
+    assert bh.main(["--reps", "2", "--only", "R=1 |B=1 ", "--device", "cpu", "--out", str(out),
+                    "--readme", str(readme)]) == 0
+    doc = json.loads(out.read_text())
+    assert [r["label"] for r in doc["records"]] == [
+        "prefill R=1 L=8192", "decode + accept B=1 next_n=1 ctx=4096", "decode + accept B=1 next_n=4 ctx=4096",
+        "topk_indices B=1 next_n=4 ctx=4096"]
+    assert all(r["reps"] == 2 and r["us"] > 0 for r in doc["records"]) and doc["environment"]["kernels"] == "stubbed"
+    text = readme.read_text()
+    assert "old" not in text and text.endswith("<!-- host:end -->\ntail\n") and "| topk_indices B=1" in text
+
+
+def test_committed_host_table_matches_its_json():
+    """The README's host-time block is what ``results/host_cpu.json`` renders to."""
+    bh = _load("bench_host")
+    doc = json.loads((BENCH_DIR / "results" / "host_cpu.json").read_text())
+    text = (BENCH_DIR.parent / "README.md").read_text()
+    block = text[text.index(bh.START) + len(bh.START) + 1:text.index(bh.END) - 1]
+    assert block == bh.table(doc), "README.md's host-time table is stale: rerun bench_host.py --readme README.md"
+
+
 def test_merge_results_replaces_one_op_family(tmp_path):
     """A partial run's records of the named ops replace the full run's where they stood; the rest
     and the full run's meta stay; the README header names the partial run's commit and bandwidth."""
