@@ -861,6 +861,32 @@ def test_mappings_computed_once_write_another_layer(backend):
         c.accept(rids, [max(1, n - 1) for n in counts])
 
 
+def test_prefill_plan_writes_another_layer(backend):
+    """The prefill form of the engine flow: ``prefill_plan`` from the cache's per-request state
+    (cu_seqlens, positions already written, ring blocks, page table) gives the step's metadata,
+    and ``write_prefill`` of those tables on a second layer's buffers leaves them byte-identical
+    to the cache's (chunks starting mid-pool, ending on and off pool boundaries, empty ones)."""
+    from kpool import prefill_plan, write_prefill
+    P, page = 4, 16
+    h = Harness(pool=P, spec=1, page=page, num_pages=16, max_requests=3, seed=61)
+    c, rids, toks = h.cache, ["a", "b", "c"], Tokens(62)
+    kv2, tail2 = c.kv_cache.clone(), c.tail.clone()
+    for lengths in ([5, 8, 0], [7, 1, 66], [0, 3, 2], [4, 70, 9]):
+        starts = [c.length(r) if r in c.requests else 0 for r in rids]
+        chunks = [toks(n) for n in lengths]
+        meta = h.prefill(rids, lengths, chunks=chunks)
+        cu = meta.cu_seqlens.tolist()
+        plan = prefill_plan(cu, starts, [c.ring_block(r) for r in rids], meta.page_table.cpu(), P, page, c.ring)
+        for name in ("positions", "slot_mapping", "tail_slot_mapping", "pool_meta", "pool_locs"):
+            assert torch.equal(getattr(plan, name).to(getattr(meta, name).dtype), getattr(meta, name).cpu()), name
+        keys = torch.cat([k for k, _ in chunks]) if sum(lengths) else torch.zeros(0, D, dtype=torch.bfloat16)
+        gates = torch.cat([g for _, g in chunks]) if sum(lengths) else torch.zeros(0, D, dtype=torch.bfloat16)
+        write_prefill(kv2, tail2, keys.to(DEVICE), gates.to(DEVICE), c.ape, plan.pools.to(DEVICE),
+                      plan.requests.to(DEVICE), P, layout=c.layout, fp8_dtype=c.fp8_dtype)
+        same_bytes(kv2, c.kv_cache, f"{lengths}: layer 2 kv_cache")
+        same_bytes(tail2, c.tail, f"{lengths}: layer 2 tail")
+
+
 # --- 5. packed input form ----------------------------------------------------------------
 
 def test_packed_matches_list(backend):

@@ -45,6 +45,20 @@ def _decode_args(device):
     return [t.to(device) for t in (kv, tail, ts, key, gate, ape, slot, pos)] + [P, True, "plain", FN]
 
 
+def _prefill_args(device):
+    """Two requests: 7 new tokens (one pool inside, 3 seeded), then 6 tokens from position 2
+    (its head pool completed from the ring, then pool 1 inside)."""
+    g = _gen(5)
+    ring = kpool.layout.ring_size(P, 1)
+    kv = torch.randint(0, 256, (2, PAGE, D + 4), dtype=torch.uint8, generator=g)
+    tail = torch.randn(2, 2, ring, D, generator=g).to(torch.bfloat16)
+    key = torch.randn(13, D, generator=g).to(torch.bfloat16)
+    gate = torch.randn(13, D, generator=g).to(torch.bfloat16)
+    ape = torch.randn(P, D, generator=g) * 0.5
+    plan = kpool.prefill_plan([0, 7, 13], [0, 2], [1, 0], [[0], [1]], P, PAGE, ring)
+    return [t.to(device) for t in (kv, tail, key, gate, ape, plan.pools, plan.requests)] + [P, True, "plain", FN]
+
+
 def _queries(device, rows=2, heads=16):
     g = _gen(3)
     q = torch.randn(rows, 1, heads, D, generator=g).to(torch.bfloat16)
@@ -71,6 +85,7 @@ def _expand_args(device):
 CASES = {
     "compress_and_write_cache": _compress_args,
     "decode_update": _decode_args,
+    "write_prefill": _prefill_args,
     "fwht128_quant_fp8": lambda dev: [_queries(dev)[0], FN, True],
     "quantize_queries": lambda dev: [*_queries(dev), FN, True],
     "paged_pool_topk": _select_args,

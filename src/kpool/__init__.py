@@ -17,7 +17,8 @@ from .ops.logits import paged_pool_logits, ragged_pool_logits
 from .ops.topk import select_pools
 from .ops.score import paged_pool_topk
 from .cache import CacheCapacityError, KPoolCache, StepMetadata
-from .layout import decode_slot_mappings
+from .layout import decode_slot_mappings, prefill_plan
+from .ops.prefill import write_prefill
 from .indexer import KPoolIndexer
 from . import _library  # noqa: F401  (registers torch.ops.kpool.*)
 
@@ -25,4 +26,5 @@ __all__ = ["kpool_compress_and_write_cache", "kpool_decode_update_and_maybe_writ
            "expand_pools_and_append_tail", "expand_pools_to_tokens", "append_tail_to_topk",
            "build_pooled_page_table", "compute_pooled_write_locs", "history_group_budget_for_topk"]
 __all__ += ["fwht128_quant_fp8", "quantize_queries", "paged_pool_logits", "ragged_pool_logits", "select_pools", "paged_pool_topk"]
-__all__ += ["KPoolCache", "StepMetadata", "CacheCapacityError", "KPoolIndexer", "decode_slot_mappings"]
+__all__ += ["KPoolCache", "StepMetadata", "CacheCapacityError", "KPoolIndexer", "decode_slot_mappings",
+            "prefill_plan", "write_prefill"]

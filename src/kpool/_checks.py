@@ -131,23 +131,23 @@ def check_page_layout(name: str, page: int, layout: str) -> None:
         raise ValueError(f"layout='preshuffle' needs {name} to be a multiple of {TILE}, got {page}")
 
 
-def check_tail(tail, pool_size: int, device) -> int:
+def check_tail(tail, pool_size: int, device, name: str = "tail_kv_cache") -> int:
     """``tail [num_blocks, 2, RING, 128] bf16`` with dense rows; returns RING."""
-    check_tensor("tail_kv_cache", tail, dtype=torch.bfloat16, ndim=4, device=device)
+    check_tensor(name, tail, dtype=torch.bfloat16, ndim=4, device=device)
     if tail.shape[1] != 2 or tail.shape[3] != HEAD_DIM:
-        raise ValueError(f"tail_kv_cache must have shape [num_blocks, 2, RING, {HEAD_DIM}], got {list(tail.shape)}")
+        raise ValueError(f"{name} must have shape [num_blocks, 2, RING, {HEAD_DIM}], got {list(tail.shape)}")
     ring = tail.shape[2]
     if ring < pool_size or ring % pool_size:
-        raise ValueError(f"tail_kv_cache ring size (shape[2] = {ring}) must be a positive multiple of "
+        raise ValueError(f"{name} ring size (shape[2] = {ring}) must be a positive multiple of "
                          f"pool_size = {pool_size}")
     if tail.stride(3) != 1 or tail.stride(2) != HEAD_DIM:
-        raise ValueError(f"tail_kv_cache rows must be dense (strides [*, *, 128, 1]), got {tail.stride()}")
+        raise ValueError(f"{name} rows must be dense (strides [*, *, 128, 1]), got {tail.stride()}")
     # blocks and key / gate halves: each a RING x 128 tile, none may share memory with another
     outer = sorted((tail.stride(i), tail.shape[i]) for i in (0, 1) if tail.shape[i] > 1)
     span = ring * HEAD_DIM
     for stride, n in outer:
         if stride < span:
-            raise ValueError(f"tail_kv_cache strides {tail.stride()} make its num_blocks x 2 rings overlap (each "
+            raise ValueError(f"{name} strides {tail.stride()} make its num_blocks x 2 rings overlap (each "
                              f"RING x 128 = {ring * HEAD_DIM} elements)")
         span = stride * (n - 1) + span
     return ring

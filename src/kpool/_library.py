@@ -19,6 +19,7 @@ import torch
 from .layout import HEAD_DIM
 from .ops.compress import kpool_compress_and_write_cache
 from .ops.decode import kpool_decode_update_and_maybe_write_cache_batched
+from .ops.prefill import write_prefill
 from .ops.quant import fwht128_quant_fp8, quantize_queries
 from .ops.score import paged_pool_topk
 from .ops.select import expand_pools_and_append_tail, natural_width
@@ -54,6 +55,20 @@ def decode_update(kv_cache: torch.Tensor, tail_kv_cache: torch.Tensor, tail_slot
 @decode_update.register_fake
 def _(kv_cache, tail_kv_cache, tail_slot_mapping, key, slot_score, ape, slot_mapping, positions, pool_size,
       round_scale, layout, fp8_dtype):
+    return None
+
+
+@torch.library.custom_op(f"{NAMESPACE}::write_prefill", mutates_args=("kv_cache", "tail"))
+def prefill_write(kv_cache: torch.Tensor, tail: torch.Tensor, key: torch.Tensor, gate: torch.Tensor,
+                  ape: torch.Tensor, pools: torch.Tensor, requests: torch.Tensor, pool_size: int, round_scale: bool,
+                  layout: str, fp8_dtype: torch.dtype) -> None:
+    """``write_prefill`` (in place on both caches)."""
+    write_prefill(kv_cache, tail, key, gate, ape, pools, requests, pool_size, layout=layout, fp8_dtype=fp8_dtype,
+                  round_scale=round_scale)
+
+
+@prefill_write.register_fake
+def _(kv_cache, tail, key, gate, ape, pools, requests, pool_size, round_scale, layout, fp8_dtype):
     return None
 
 

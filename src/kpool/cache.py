@@ -29,8 +29,8 @@ from . import reference
 from ._backend import backend_for
 from ._checks import (check_bool, check_device_type, check_page_layout, check_positive_int, check_slot_count,
                       check_tensor, int_list, own_indices)
-from .layout import (ENTRY_BYTES, HEAD_DIM, decode_slot_mappings, read_entries, resolve_fp8_dtype,
-                     resolve_layout, ring_size)
+from .layout import (ENTRY_BYTES, HEAD_DIM, concat_ranges, decode_slot_mappings, prefill_plan, read_entries,
+                     resolve_fp8_dtype, resolve_layout, ring_size)
 from .ops.decode import kpool_decode_update_and_maybe_write_cache_batched
 from .ops.logits import check_heads
 from .ops.prefill import write_prefill
@@ -158,13 +158,7 @@ class KPoolCache:
         if not 0 <= pool < len(req.pages) * self.page_size:
             raise ValueError(f"pool {pool} of request {request_id!r} is outside its allocated pages "
                              f"(pools 0..{len(req.pages) * self.page_size - 1})")
-        return int(self._locs(self._table([req]), 0, torch.tensor(pool)))
-
-    def _locs(self, table, rows, pools):
-        """Flat cache slots (int64) of pools ``pools`` of the requests ``rows`` indexes in ``table``
-        (``_table`` rows; same shapes). A pool past its request's pages gives a meaningless value."""
-        col = (pools // self.page_size).clamp(0, table.shape[1] - 1)
-        return table[rows, col] * self.page_size + pools % self.page_size
+        return req.pages[pool // self.page_size] * self.page_size + pool % self.page_size
 
     def _table(self, reqs) -> torch.Tensor:
         """int64 ``[R, max(1, most pages)]`` pages of ``reqs`` (CPU, -1 padded)."""
@@ -180,7 +174,8 @@ class KPoolCache:
         """Stored entries of the request's complete committed pools, in pool order:
         ``(codes [n_pools, 128] uint8, scales [n_pools] fp32)``."""
         req = self._get(request_id)
-        locs = self._locs(self._table([req]), 0, torch.arange(req.length // self.pool_size, dtype=torch.int64))
+        pools = torch.arange(req.length // self.pool_size, dtype=torch.int64)
+        locs = torch.tensor(req.pages, dtype=torch.int64)[pools // self.page_size] * self.page_size + pools % self.page_size
         return read_entries(self.kv_cache, locs.to(self.device), self.layout)
 
     # ------------------------------------------------------------------ lifecycle
@@ -231,48 +226,21 @@ class KPoolCache:
         starts = [self._requests[r].length if r in self._requests else 0 for r in request_ids]
         self._reserve(request_ids, new_ids, [s + n for s, n in zip(starts, lengths)])
         reqs = [self._requests[r] for r in request_ids]
-        p, i64 = self.pool_size, torch.int64
-        start = torch.tensor(starts, dtype=i64)
-        end = start + torch.tensor(lengths, dtype=i64)
-        row0 = torch.tensor([r0 for r0, _ in bounds], dtype=i64)
-        blocks = torch.tensor([r.block for r in reqs], dtype=i64)
+        cu = [0] + [b for _, b in bounds]  # the packed rows start at 0 (_pack)
         table = self._table(reqs)
-        # pools the chunks complete: a // P .. b // P - 1 of each request
-        first, n_pools = start // p, end // p - start // p
-        owner = torch.arange(len(reqs)).repeat_interleave(n_pools)
-        pools = _ranges(first, n_pools)
-        locs_t = self._locs(table, owner, pools)
-        meta_t = torch.stack((row0[owner] + pools * p - start[owner], blocks[owner], pools * p,
-                              (start[owner] - pools * p).clamp_(min=0)), dim=1)
-        # a chunk starting mid-pool that completes it reads the pool's leading slots from the ring
-        head = (start % p != 0) & (n_pools > 0)
-        lead = start % p
-        first_loc = self._locs(table, torch.arange(len(reqs)), first)
-        heads = torch.stack((row0 + (end - start), end, blocks, torch.minimum(end - start, end % p),
-                             torch.where(head, row0 - lead, 0), torch.where(head, start - lead, 0),
-                             torch.where(head, lead, 0), torch.where(head, first_loc, -1)), dim=1)
-        # every token: position, pool slot where it completes one, ring slot
-        pos = _ranges(start, end - start)
-        slots = torch.full_like(pos, -1)
-        slots[meta_t[:, 0] + (p - 1)] = locs_t  # each pool's last token (row) completes it
-        tslots = (blocks * self.ring).repeat_interleave(end - start) + pos % self.ring
+        plan = prefill_plan(cu, starts, [r.block for r in reqs], table, self.pool_size, self.page_size, self.ring)
         for req, a, n in zip(reqs, starts, lengths):
             req.step_start, req.step_len, req.step_kind, req.length = a, n, "prefill", a + n
         dev = self.device
-        inside = meta_t[:, 3] == 0  # the head pools are written by their request's program
         with own_indices():  # slots and pool rows of the cache's own pages
-            write_prefill(self.kv_cache, self.tail, key, gate, self.ape,
-                          _upload(torch.stack((meta_t[:, 0], locs_t), 1)[inside], dev),
-                          _upload(heads, dev), p,
-                          layout=self.layout, fp8_dtype=self.fp8_dtype, round_scale=self.round_scale)
-        meta_t, locs_t = _upload(meta_t, dev), _upload(locs_t, dev)
-        cu = [0]
-        for n in lengths:
-            cu.append(cu[-1] + n)
+            write_prefill(self.kv_cache, self.tail, key, gate, self.ape, _upload(plan.pools, dev),
+                          _upload(plan.requests, dev), self.pool_size, layout=self.layout, fp8_dtype=self.fp8_dtype,
+                          round_scale=self.round_scale)
         self.last_step = StepMetadata(
-            "prefill", list(request_ids), _upload(pos.to(torch.int32), dev), _upload(slots, dev),
-            _upload(tslots, dev), _upload(table.to(torch.int32), dev), _upload(torch.tensor(cu, dtype=torch.int32), dev),
-            meta_t, locs_t)
+            "prefill", list(request_ids), _upload(plan.positions.to(torch.int32), dev), _upload(plan.slot_mapping, dev),
+            _upload(plan.tail_slot_mapping, dev), _upload(table.to(torch.int32), dev),
+            _upload(torch.tensor(cu, dtype=torch.int32), dev), _upload(plan.pool_meta, dev),
+            _upload(plan.pool_locs, dev))
         return self.last_step
 
     def decode(self, request_ids, keys, gates) -> StepMetadata:
@@ -416,13 +384,13 @@ class KPoolCache:
         """Rows seeing at most ``select_k`` pools (``runs``: ``(first row, first position, rows)``):
         every visible pool in order, then the tail. Returns ``(rows, idx)`` as ``_put_rows`` takes them."""
         first_rows, starts, ms = (torch.tensor(c, dtype=torch.int64) for c in zip(*runs))
-        _, seq, lens = _row_counts(_ranges(starts, ms), self.pool_size, self.device)
+        _, seq, lens = _row_counts(concat_ranges(starts, ms), self.pool_size, self.device)
         cols = torch.arange(select_k, dtype=torch.int64, device=self.device)
         ids = torch.where(cols[None, :] < lens[:, None], cols[None, :], -1).to(torch.int32)
         idx = expand_pools_and_append_tail(ids, seq, self.pool_size, width=width)
         if all(r1 == r0 + n0 for (r0, _, n0), (r1, _, _) in zip(runs, runs[1:])):
             return runs[0][0], idx
-        return _upload(_ranges(first_rows, ms), self.device), idx
+        return _upload(concat_ranges(first_rows, ms), self.device), idx
 
     def _score_chunk(self, chunk, q8, w, page_table, select_k, width, total) -> tuple:
         """One grid ``[B, n]`` of long rows (``chunk``: items of ``_plan_chunks``, padded to the
@@ -587,13 +555,6 @@ def _plan_chunks(items, budget, pool_size, per_pool=SCRATCH_BYTES_PER_POOL):
     if cur:
         chunks.append(cur)
     return chunks
-
-
-def _ranges(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """``arange(starts[i], starts[i] + counts[i])`` for every ``i``, concatenated (int64 CPU tensors ``[R]``)."""
-    total = int(counts.sum())
-    return (starts - torch.cumsum(counts, 0) + counts).repeat_interleave(counts, output_size=total) \
-        + torch.arange(total)
 
 
 def _upload(t: torch.Tensor, device) -> torch.Tensor:

@@ -6,8 +6,9 @@ each, all slots read from the token rows); one program per request then complete
 pool the chunk started mid-way (its leading slots from the ring: the *head* pool), if the
 chunk completes it, and seeds the ring with the chunk's trailing tokens, in that order
 (a barrier between: the seeding may overwrite the ring slots the head pool reads). The pool
-programs touch no ring, so the two kinds need no ordering. ``KPoolCache.prefill`` builds the
-tables; arguments are trusted.
+programs touch no ring, so the two kinds need no ordering. ``layout.prefill_plan`` builds the
+tables (``KPoolCache.prefill`` uses it); their ranges are checked unless ``KPOOL_CHECK=0``,
+under graph capture or for the cache's own tables (a host read of both tables).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import triton.language as tl
 
 from .. import reference
 from .._backend import backend_for, native_fp8, pdl_launch, register_cap, row_select
-from ..layout import fp8_max
+from .._checks import check_bool, check_kv_cache, check_pool_size, check_tail, check_tensor, range_checks_enabled
+from ..layout import HEAD_DIM, fp8_max, resolve_fp8_dtype
 from . import _jit, _pdl
 from .compress import NUM_WARPS, block_pools
 
@@ -71,13 +73,38 @@ def _prefill_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_b
                        tl.load(req), tl.load(req + 1), block, tl.load(req + 3), d, RING, KEEP)
 
 
+def _check_tables(pools, requests, tokens: int, p: int, num_slots: int, num_blocks: int) -> None:
+    """Every row read is a token row or a slot of a listed ring block, every write a cache slot
+    below ``num_slots`` or a ring slot of a block below ``num_blocks`` (host read of both tables)."""
+    def bad(name, mask, what):
+        if bool(mask.any()):
+            k = int(mask.nonzero()[0, 0])
+            raise ValueError(f"{name} row {k} {what}: {table_of[name][k].tolist()}")
+
+    pl, rq = pools.cpu(), requests.cpu()
+    table_of = {"pools": pl, "requests": rq}
+    bad("pools", (pl[:, 0] < 0) | (pl[:, 0] > tokens - p), f"reads token rows outside 0..{tokens - 1} (T = {tokens})")
+    bad("pools", pl[:, 1] >= num_slots, f"writes a slot outside the cache's {num_slots}")
+    end_row, end_pos, block, keep = rq[:, 0], rq[:, 1], rq[:, 2], rq[:, 3]
+    bad("requests", (keep < 0) | (keep > p), f"keeps n_keep outside 0..P = {p}")
+    bad("requests", (keep > 0) & ((end_row < keep) | (end_row > tokens) | (end_pos < keep)),
+        f"seeds rows or positions outside the batch (T = {tokens}) or before position 0")
+    bad("requests", block >= num_blocks, f"names a ring block outside the tail's {num_blocks}")
+    head_row, head_pos, head_ring, head_loc = rq[:, 4], rq[:, 5], rq[:, 6], rq[:, 7]
+    bad("requests", (head_ring < 0) | (head_ring >= p), f"reads a head pool's ring slots outside 0..P - 1 = {p - 1}")
+    head = head_ring > 0
+    bad("requests", head & ((block < 0) | (head_pos < 0) | (head_row + head_ring < 0) | (head_row > tokens - p)),
+        f"completes a head pool from rows outside the batch (T = {tokens}), a negative position or no ring block")
+    bad("requests", head & (head_loc >= num_slots), f"writes a head pool outside the cache's {num_slots} slots")
+
+
 def launch_options(device, pool_size: int) -> dict:
     """Compile options of ``_prefill_kernel``: ``MAX_REGS`` applies to CUDA targets only."""
     return dict(num_warps=NUM_WARPS, enable_fp_fusion=False, **register_cap(device, MAX_REGS.get(pool_size)),
                 **pdl_launch(device))
 
 
-def write_prefill(kv_cache, tail, key, gate, ape, pools, requests, pool_size, *, layout, fp8_dtype,
+def write_prefill(kv_cache, tail, key, gate, ape, pools, requests, pool_size, *, layout=None, fp8_dtype=None,
                   round_scale=True):
     """Write a packed prefill batch's pools and seed its rings, in place (one launch).
 
@@ -85,15 +112,37 @@ def write_prefill(kv_cache, tail, key, gate, ape, pools, requests, pool_size, *,
     ----------
     kv_cache : uint8 ``[num_pages, PAGE, 132]``.
     tail : bf16 ``[num_blocks, 2, RING, 128]`` rings.
-    key, gate : bf16 ``[T, 128]`` token-major rows (unit inner stride, same row stride).
+    key, gate : bf16 ``[T, 128]`` token-major rows (unit inner stride).
     ape : fp32 ``[P, 128]``.
-    pools : int64 ``[n, 2]``: (token row of slot 0, flat cache slot) of each pool that lies
-        inside its chunk.
+    pools : int64 ``[n, 2]``: (token row of slot 0, flat cache slot, negative = skip) of each
+        pool that lies inside its chunk.
     requests : int64 ``[R, 8]``, one row per request: ``(end_row, end_pos, block, n_keep)`` —
         rows ``[end_row - n_keep, end_row)`` hold positions ``[end_pos - n_keep, end_pos)`` and
-        go to ring ``block`` (``n_keep <= P``) — then the head pool ``(row of slot 0, position
-        of slot 0, slots read from the ring — 0: none, flat cache slot)``.
+        go to ring ``block`` (``n_keep <= P``; ``block < 0``: none) — then the head pool ``(row
+        of slot 0, position of slot 0, slots read from the ring — 0: none, flat cache slot)``.
+    pool_size : P. ``layout`` / ``fp8_dtype``: platform defaults when None.
+
+    ``layout.prefill_plan`` builds ``pools`` and ``requests`` from per-request state. Writes
+    only the slots in ``pools`` / the head pools and ring slots of the listed blocks; the
+    tables' ranges are checked (one host read) unless ``KPOOL_CHECK=0`` or under graph capture.
     """
+    check_bool("round_scale", round_scale)
+    check_pool_size(pool_size)
+    check_tensor("key", key, dtype=torch.bfloat16, ndim=2, inner_contiguous=True)
+    device = key.device
+    check_tensor("key", key, shape=(None, HEAD_DIM))
+    check_tensor("gate", gate, dtype=torch.bfloat16, shape=tuple(key.shape), device=device, inner_contiguous=True)
+    check_tensor("ape", ape, dtype=torch.float32, shape=(pool_size, HEAD_DIM), device=device, inner_contiguous=True)
+    check_tensor("pools", pools, dtype=torch.int64, shape=(None, 2), device=device)
+    check_tensor("requests", requests, dtype=torch.int64, shape=(None, REQUEST_FIELDS), device=device)
+    for name, t in (("pools", pools), ("requests", requests)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
+    fp8_dtype = resolve_fp8_dtype(fp8_dtype, device)
+    layout = check_kv_cache(kv_cache, layout, device)
+    check_tail(tail, pool_size, device, "tail")
+    if range_checks_enabled():
+        _check_tables(pools, requests, key.shape[0], pool_size, kv_cache.shape[0] * kv_cache.shape[1], tail.shape[0])
     n, r = pools.shape[0], requests.shape[0]
     if n + r == 0:
         return

@@ -1,0 +1,117 @@
+"""``write_prefill`` and ``prefill_plan`` called directly (an engine's prefill path).
+
+The bytes they write are checked against ``KPoolCache`` in ``test_cache.py``
+(``test_prefill_plan_writes_another_layer``); here: every table entry that would read or write
+outside what the call owns raises ``ValueError`` naming the table and changes nothing, and
+``prefill_plan`` rejects inconsistent per-request state.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kpool import prefill_plan, reference, write_prefill
+from kpool.layout import entry_byte_offsets, flat_bytes, ring_size
+
+from _util import assert_bytes_equal, random_bytes_like
+
+P, PAGE, D = 4, 16, 128
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _batch():
+    """Request 0: 9 new tokens (pools 0, 1 inside, 1 seeded); request 1: 7 tokens from position
+    3 (head pool 0 from the ring, pool 1 inside, 2 seeded). Random bytes everywhere."""
+    g = torch.Generator().manual_seed(3)
+    ring = ring_size(P, 1)
+    kv = random_bytes_like((3, PAGE, D + 4), DEVICE, 4)
+    tail = random_bytes_like((2, 2, ring, D * 2), DEVICE, 5).view(torch.bfloat16)
+    key = torch.randn(16, D, generator=g).to(torch.bfloat16).to(DEVICE)
+    gate = torch.randn(16, D, generator=g).to(torch.bfloat16).to(DEVICE)
+    ape = (torch.randn(P, D, generator=g) * 0.5).to(DEVICE)
+    plan = prefill_plan([0, 9, 16], [0, 3], [1, 0], [[2, -1], [0, -1]], P, PAGE, ring)
+    assert plan.requests[1, 6] == 3 and plan.pools.shape[0] == 3  # the head pool reads 3 ring slots
+    return kv, tail, key, gate, ape, plan
+
+
+def test_plan_writes(backend):
+    """The plan's pools (head pool included) and nothing else change; the same bytes as the
+    reference on a CPU copy."""
+    kv, tail, key, gate, ape, plan = _batch()
+    kv_ref, tail_ref = kv.cpu().clone(), tail.cpu().clone()
+    reference.write_prefill(kv_ref, tail_ref, key.cpu(), gate.cpu(), ape.cpu(), plan.pools, plan.requests, P,
+                            torch.float8_e4m3fn, "plain")
+    before = flat_bytes(kv).clone()
+    write_prefill(kv, tail, key, gate, ape, plan.pools.to(DEVICE), plan.requests.to(DEVICE), P, layout="plain",
+                  fp8_dtype=torch.float8_e4m3fn)
+    assert_bytes_equal(kv.cpu(), kv_ref, "kv_cache")
+    assert_bytes_equal(tail.cpu(), tail_ref, "tail")
+    changed = set((flat_bytes(kv) != before).nonzero().flatten().tolist())
+    codes, scales = entry_byte_offsets(kv, plan.pool_locs.to(DEVICE), "plain")
+    assert changed <= set(codes.flatten().tolist() + scales.flatten().tolist())
+    assert sorted(plan.pool_locs.tolist()) == [0, 1, 2 * PAGE, 2 * PAGE + 1]
+
+
+BAD = [  # (table, row, column, value, message)
+    ("pools", 0, 0, -1, "reads token rows"),
+    ("pools", 2, 0, 13, "reads token rows"),  # rows 13..16 of 16
+    ("pools", 1, 1, 3 * PAGE, "writes a slot outside"),
+    ("requests", 0, 3, P + 1, "n_keep outside"),
+    ("requests", 0, 3, -1, "n_keep outside"),
+    ("requests", 1, 0, 17, "seeds rows"),
+    ("requests", 1, 1, 1, "seeds rows"),  # positions end_pos - n_keep < 0
+    ("requests", 0, 2, 2, "ring block outside"),
+    ("requests", 1, 6, P, "ring slots outside"),
+    ("requests", 1, 6, -2, "ring slots outside"),
+    ("requests", 1, 2, -1, "no ring block"),  # a head pool reads block -1
+    ("requests", 1, 4, 13, "completes a head pool"),
+    ("requests", 1, 4, -4, "completes a head pool"),
+    ("requests", 1, 5, -1, "completes a head pool"),
+    ("requests", 1, 7, 3 * PAGE, "writes a head pool outside"),
+]
+
+
+@pytest.mark.parametrize("table, row, col, value, message", BAD)
+def test_bad_tables_raise_and_write_nothing(backend, table, row, col, value, message):
+    kv, tail, key, gate, ape, plan = _batch()
+    pools, requests = plan.pools.clone(), plan.requests.clone()
+    {"pools": pools, "requests": requests}[table][row, col] = value
+    kv0, tail0 = kv.clone(), tail.clone()
+    with pytest.raises(ValueError, match=f"{table} row {row} .*{message}|{table} row {row} {message}"):
+        write_prefill(kv, tail, key, gate, ape, pools.to(DEVICE), requests.to(DEVICE), P, layout="plain",
+                      fp8_dtype=torch.float8_e4m3fn)
+    assert_bytes_equal(kv, kv0, "kv_cache")
+    assert_bytes_equal(tail, tail0, "tail")
+
+
+def test_argument_errors():
+    kv, tail, key, gate, ape, plan = _batch()
+    pools, requests = plan.pools.to(DEVICE), plan.requests.to(DEVICE)
+    args = dict(kv_cache=kv, tail=tail, key=key, gate=gate, ape=ape, pools=pools, requests=requests, pool_size=P)
+    for name, value, exc, message in (
+            ("pools", pools.to(torch.int32), TypeError, "pools must have dtype torch.int64"),
+            ("requests", requests[:, :4], ValueError, r"requests must have shape \[\*, 8\]"),
+            ("requests", requests.t().contiguous().t(), ValueError, "requests must be contiguous"),
+            ("gate", gate[:-1], ValueError, "gate must have shape"),
+            ("ape", ape[:2], ValueError, "ape must have shape"),
+            ("tail", tail[:, :, :2], ValueError, "tail ring size"),
+            ("pool_size", 0, ValueError, "pool_size")):
+        with pytest.raises(exc, match=message):
+            write_prefill(**dict(args, **{name: value}), layout="plain")
+
+
+def test_plan_rejects_inconsistent_state():
+    ring = ring_size(P, 0)
+    with pytest.raises(ValueError, match="page_table row 0 has no page 1"):
+        prefill_plan([0, 80], [0], [0], [[3, -1]], P, PAGE, ring)  # pools 16..19 need page 1
+    with pytest.raises(ValueError, match="page_table has 1 pages per row"):
+        prefill_plan([0, 80], [0], [0], [[3]], P, PAGE, ring)
+    with pytest.raises(ValueError, match="cu_seqlens must be non-decreasing"):
+        prefill_plan([0, 5, 3], [0, 0], [0, 1], [[0], [1]], P, PAGE, ring)
+    with pytest.raises(ValueError, match="starts non-negative"):
+        prefill_plan([0, 5], [-4], [0], [[0]], P, PAGE, ring)
+    with pytest.raises(ValueError, match=r"cu_seqlens \[R \+ 1\]"):
+        prefill_plan([0, 5], [0, 0], [0, 1], [[0], [1]], P, PAGE, ring)
+    plan = prefill_plan([0, 2], [5], [1], [[-1]], P, PAGE, ring)  # positions 5, 6 complete no pool: no page
+    assert plan.pools.shape == (0, 2) and plan.requests.tolist() == [[2, 7, 1, 2, 0, 0, 0, -1]]
