@@ -366,19 +366,25 @@ class KPoolCache:
                 items.append((i, row + first_long - a, first_long, a + n - first_long, (a + n) // p))
             row += n
         chunks = _plan_chunks(items, logits_budget_bytes(), p, scratch_bytes_per_pool(self.device)) if items else []
+        page_table = self.page_table(request_ids) if items else None
+        lone = bool(short) + len(chunks) == 1
         out = None
         with own_indices():  # the cache built every index it passes: no syncs between the grids
-            page_table = self.page_table(request_ids) if items else None
-            grids = ([lambda: self._identity_rows(short, select_k, width)] if short else []) + [
-                lambda c=c: self._score_chunk(c, q8, w, page_table, select_k, width, total) for c in chunks]
-            for grid in grids:
-                rows, idx = grid()
-                if len(grids) == 1 and isinstance(rows, int):  # one grid of every row, in order: the result
+            for rows, idx in self._grids(short, chunks, q8, w, page_table, select_k, width, total):
+                if lone and isinstance(rows, int):  # one grid of every row, in order: the result itself
                     return idx
                 if out is None:
                     out = torch.empty((total + 1, width), dtype=torch.int32, device=self.device)  # row T: padding
                 _put_rows(out, rows, idx)
         return out[:total]
+
+    def _grids(self, short, chunks, q8, w, page_table, select_k, width, total):
+        """``(rows, idx)`` of each grid of the selection, as ``_put_rows`` takes them: the short
+        rows' identity selection, then each chunk of long rows."""
+        if short:
+            yield self._identity_rows(short, select_k, width)
+        for chunk in chunks:
+            yield self._score_chunk(chunk, q8, w, page_table, select_k, width, total)
 
     def _identity_rows(self, runs, select_k, width) -> tuple:
         """Rows seeing at most ``select_k`` pools (``runs``: ``(first row, first position, rows)``):
