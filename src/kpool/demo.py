@@ -5,6 +5,10 @@ boundaries anywhere, also mid-pool), then decode and speculative-verify steps wi
 acceptance (rejected drafts carry different tokens than the ones later accepted). After
 every step each live request's pooled entries are compared byte for byte with the torch
 oracle of its committed tokens, and its ring with the tokens of its incomplete pool.
+
+A second layer's buffers follow the engine path: the same tokens written from each step's
+plan (``layout.prefill_plan`` + ``write_prefill``, ``layout.decode_slot_mappings`` + the decode
+op) must stay byte-identical to the cache's, as every layer of a model shares one plan.
 """
 
 from __future__ import annotations
@@ -20,7 +24,42 @@ import torch
 from . import numerics, reference
 from ._backend import backend_for
 from .cache import KPoolCache
-from .layout import ENTRY_BYTES, HEAD_DIM
+from .layout import ENTRY_BYTES, HEAD_DIM, decode_slot_mappings, prefill_plan
+from .ops.decode import kpool_decode_update_and_maybe_write_cache_batched
+from .ops.prefill import write_prefill
+
+
+class EngineLayer:
+    """A second layer's ``kv_cache`` / ring written from the steps' plans, as an engine with its
+    own scheduler would (the plan inputs taken from the cache's ``StepMetadata``)."""
+
+    def __init__(self, cache: KPoolCache):
+        self.cache = cache
+        self.kv_cache, self.tail = cache.kv_cache.clone(), cache.tail.clone()
+
+    def _write_args(self):
+        c = self.cache
+        return dict(layout=c.layout, fp8_dtype=c.fp8_dtype, round_scale=c.round_scale)
+
+    def prefill(self, ids, starts, keys, gates) -> None:
+        c, meta = self.cache, self.cache.metadata()
+        plan = prefill_plan(meta.cu_seqlens.cpu(), starts, [c.ring_block(r) for r in ids], meta.page_table.cpu(),
+                            c.pool_size, c.page_size, c.ring)
+        dev = c.device
+        write_prefill(self.kv_cache, self.tail, keys, gates, c.ape, plan.pools.to(dev), plan.requests.to(dev),
+                      c.pool_size, **self._write_args())
+
+    def decode(self, ids, keys, gates) -> None:
+        c, meta = self.cache, self.cache.metadata()
+        blocks = torch.tensor([c.ring_block(r) for r in ids], device=c.device)
+        slots, tail_slots = decode_slot_mappings(meta.positions, blocks, meta.page_table, c.pool_size, c.page_size,
+                                                 c.ring)
+        kpool_decode_update_and_maybe_write_cache_batched(self.kv_cache, self.tail, tail_slots, keys, gates, c.ape,
+                                                          slots, meta.positions, c.pool_size, **self._write_args())
+
+    def check(self) -> None:
+        if not (torch.equal(self.kv_cache, self.cache.kv_cache) and torch.equal(self.tail, self.cache.tail)):
+            raise AssertionError("the engine-path layer differs from the cache's bytes")
 
 
 class Progress:
@@ -145,17 +184,22 @@ def run_demo(*, requests: int = 8, max_prompt: int = 6000, decode_steps: int = 4
     bar = None if quiet else Progress(len(prefill_rounds) + decode_steps, "kpool demo")
 
     oracle: dict = {}
+    layer2 = EngineLayer(cache)
 
     def check_all():
         for r, (k, g) in streams.items():
             stats["pools_checked"] += _check_request(cache, r, k, g, ape, oracle)
+        layer2.check()
         stats["checks"] += 1
 
     for round_ in prefill_rounds:
         chunks = [tokens(n) for _, n in round_]
         ids = [r for r, _ in round_]
+        starts = [cache.length(r) if r in cache.requests else 0 for r in ids]
         with _timed(stats["prefill_times"], device):
             cache.prefill(ids, [k.to(device) for k, _ in chunks], [g.to(device) for _, g in chunks])
+        layer2.prefill(ids, starts, torch.cat([k for k, _ in chunks]).to(device),
+                       torch.cat([g for _, g in chunks]).to(device))
         for r, (k, g) in zip(ids, chunks):
             streams[r] = (torch.cat((streams[r][0], k)), torch.cat((streams[r][1], g)))
             stats["tokens"] += k.shape[0]
@@ -169,6 +213,10 @@ def run_demo(*, requests: int = 8, max_prompt: int = 6000, decode_steps: int = 4
         drafts = [tokens(n) for n in counts]
         with _timed(stats["decode_times"], device):
             cache.decode(ids, [k.to(device) for k, _ in drafts], [g.to(device) for _, g in drafts])
+        padded = [torch.zeros(requests, max(counts), HEAD_DIM, dtype=torch.bfloat16) for _ in range(2)]
+        for i, (k, g) in enumerate(drafts):
+            padded[0][i, :k.shape[0]], padded[1][i, :g.shape[0]] = k, g
+        layer2.decode(ids, padded[0].to(device), padded[1].to(device))
         _check_selection(cache, ids, counts, drafts, streams, ape, gen, stats, device, index_topk, heads)
         accepted = [rng.randint(1, n) for n in counts]
         cache.accept(ids, accepted)
@@ -215,6 +263,8 @@ def format_summary(s: dict) -> str:
         f"  checks passed          : {s['checks']} whole-cache checks, {s['pools_checked']} pool entries "
         "byte-identical to the oracle, rings hold every incomplete pool's tokens,",
         f"                           {s['select_rows_checked']} selection rows identical to the serving oracle, "
-        "no index past its query",
+        "no index past its query,",
+        "                           a second layer written from each step's plan (prefill_plan + write_prefill, "
+        "decode_slot_mappings) identical to the cache's",
     ]
     return "\n".join(lines)
