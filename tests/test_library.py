@@ -143,3 +143,16 @@ def test_compiled_graph_matches_eager(backend, device):
     assert_bytes_equal(kv_c.cpu(), kv_e.cpu(), "kv_cache")
     assert_bytes_equal(tail_c.cpu(), tail_e.cpu(), "tail ring")
     assert torch.equal(got.cpu(), want.cpu())
+
+
+def test_decode_slot_mappings_compiles_whole(device):
+    """``decode_slot_mappings`` traces into one graph (``fullgraph=True``: no host sync, no
+    data-dependent shape), so an engine can compile it into its step; same values as eager."""
+    from kpool.layout import decode_slot_mappings
+    pos = torch.tensor([[63, 64, 65, 66], [3, -1, -1, -1], [130, 131, 132, 133]], device=device)
+    blocks = torch.tensor([2, 0, 1], device=device)
+    table = torch.tensor([[4, -1, -1], [7, -1, -1], [0, 5, 6]], dtype=torch.int32, device=device)
+    compiled = torch.compile(decode_slot_mappings, backend="aot_eager", fullgraph=True)
+    got, want = compiled(pos, blocks, table, P, PAGE, 8), decode_slot_mappings(pos, blocks, table, P, PAGE, 8)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert want[0].tolist() == [[4 * PAGE + 15, -1, -1, -1], [7 * PAGE, -1, -1, -1], [-1, 5 * PAGE, -1, -1]]
