@@ -260,12 +260,7 @@ class KPoolCache:
         else:
             self._check_lists(request_ids, keys, gates)
             counts = [k.shape[0] for k in keys]
-            width = max(counts + [1])
-            key = torch.zeros((len(keys), width, HEAD_DIM), dtype=torch.bfloat16, device=self.device)
-            gate = torch.zeros_like(key)
-            for i, (k, g) in enumerate(zip(keys, gates)):
-                key[i, : k.shape[0]] = k
-                gate[i, : g.shape[0]] = g
+            key, gate = (_pad_rows(list(t), counts, self.device) for t in (keys, gates))
         if len(set(request_ids)) != len(request_ids):
             raise ValueError("request_ids must not repeat within a step")
         for rid, n in zip(request_ids, counts):
@@ -561,6 +556,18 @@ def _plan_chunks(items, budget, pool_size, per_pool=SCRATCH_BYTES_PER_POOL):
     if cur:
         chunks.append(cur)
     return chunks
+
+
+def _pad_rows(rows: list, counts: list, device) -> torch.Tensor:
+    """bf16 ``[n_i, 128]`` tensors -> ``[len(rows), max(n_i, 1), 128]``, zero padded, by one
+    concatenation and one scatter (not a copy per request: each is a launch on a GPU)."""
+    width = max(counts + [1])
+    out = torch.zeros((len(rows), width, HEAD_DIM), dtype=torch.bfloat16, device=device)
+    if rows and sum(counts):
+        n = torch.tensor(counts, dtype=torch.int64)
+        flat = concat_ranges(torch.arange(len(rows)) * width, n)  # row b, token j -> b * width + j
+        out.view(-1, HEAD_DIM).index_copy_(0, _upload(flat, device), torch.cat(rows))
+    return out
 
 
 def _upload(t: torch.Tensor, device) -> torch.Tensor:
