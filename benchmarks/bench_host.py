@@ -10,7 +10,8 @@ Cases (GLM-5.3-Flash geometry: P = 4, page 64, RING 8 for 3 drafts, 32 heads):
 
 * ``prefill``: ``R`` new requests of ``L`` tokens each, packed (``cu_seqlens``);
 * ``decode``: a ``decode`` of ``next_n`` tokens per request then ``accept`` of one token each,
-  ``B`` requests at ``ctx`` tokens of context;
+  ``B`` requests at ``ctx`` tokens of context (``lists``: request ``i`` sends ``1 + i % next_n``
+  tokens as a list of ``[n_i, 128]`` tensors, which the cache pads);
 * ``topk_indices``: the selection of the ``B x next_n`` rows of that decode step.
 
 Timing: ``time.perf_counter`` around each call, median of ``--reps`` calls (p20 / p80 kept).
@@ -61,6 +62,8 @@ def cases(quick: bool) -> list[dict]:
     for b in batches:
         for n in (1, 4):
             out.append({"op": "decode", "B": b, "next_n": n, "ctx": 4096})
+        if b == 256:
+            out.append({"op": "decode", "B": b, "next_n": 4, "ctx": 4096, "lists": True})
         out.append({"op": "topk_indices", "B": b, "next_n": 4, "ctx": 4096})
     return out
 
@@ -69,7 +72,8 @@ def label(case: dict) -> str:
     if case["op"] == "prefill":
         return f"prefill R={case['R']} L={case['L']}"
     op = "decode + accept" if case["op"] == "decode" else case["op"]
-    return f"{op} B={case['B']} next_n={case['next_n']} ctx={case['ctx']}"
+    form = " (lists of 1..next_n)" if case.get("lists") else ""
+    return f"{op}{form} B={case['B']} next_n={case['next_n']} ctx={case['ctx']}"
 
 
 def stubs() -> dict:
@@ -151,6 +155,8 @@ def measure(case: dict, device, reps: int) -> list[float]:
     q = torch.randn(b * n, HEADS, 128, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).to(device)
     w = torch.randn(b * n, HEADS, generator=torch.Generator().manual_seed(5)).to(device)
     ones = [1] * b
+    if case.get("lists"):  # request i sends 1 + i % next_n tokens
+        step = [step[i, : 1 + i % n] for i in range(b)]
     for _ in range(reps + 1):
         if case["op"] == "decode":
             times.append(_timed(lambda: (cache.decode(ids, step, step), cache.accept(ids, ones)), device))
