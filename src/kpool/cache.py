@@ -430,7 +430,11 @@ class KPoolCache:
             raise TypeError("keys and gates must both be tensors or both be lists of [n_i, 128] tensors")
         if not (len(keys) == len(gates) == len(request_ids)):
             raise ValueError(f"got {len(keys)} keys and {len(gates)} gates for {len(request_ids)} request_ids")
+        bf16, dev = torch.bfloat16, self.device
         for i, (k, g) in enumerate(zip(keys, gates)):
+            if isinstance(k, torch.Tensor) and isinstance(g, torch.Tensor) and k.dtype == g.dtype == bf16 \
+                    and k.ndim == 2 and k.shape == g.shape and k.shape[1] == HEAD_DIM and k.device == g.device == dev:
+                continue  # the common case, without a message built per tensor; else the checks below raise
             check_tensor(f"keys[{i}]", k, dtype=torch.bfloat16, ndim=2, device=self.device)
             check_tensor(f"gates[{i}]", g, dtype=torch.bfloat16, shape=tuple(k.shape), device=self.device)
             if k.shape[1] != HEAD_DIM:
