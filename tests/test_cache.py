@@ -887,6 +887,34 @@ def test_prefill_plan_writes_another_layer(backend):
         same_bytes(tail2, c.tail, f"{lengths}: layer 2 tail")
 
 
+def test_readme_engine_example():
+    """The README's engine example, run as it stands: every pool it completed holds the oracle's
+    entry at the slot the engine's page table gives, and each ring its incomplete pool's tokens."""
+    from pathlib import Path
+    from kpool.layout import read_entries, resolve_fp8_dtype, resolve_layout
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = text.split("<!-- engine-example:start -->")[1].split("<!-- engine-example:end -->")[0]
+    code = code.split("```python")[1].split("```")[0]
+    ns: dict = {}
+    exec(compile(code, "README.md (engine example)", "exec"), ns)  # noqa: S102
+    P, PAGE, RING, dev = ns["P"], ns["PAGE"], ns["RING"], ns["dev"]
+    layout, fp8 = resolve_layout(None, torch.device(dev), PAGE), resolve_fp8_dtype(None, torch.device(dev))
+    for layer in range(ns["LAYERS"]):
+        pk, pg = (t.cpu() for t in ns["prefill_kg"][layer])
+        vk, vg = (t.cpu() for t in ns["verify_kg"][layer])
+        for r, (row0, row1), block, pages in ((0, (0, 300), 2, [7, 3]), (1, (300, 370), 0, [5])):
+            keys, gates = torch.cat((pk[row0:row1], vk[r])), torch.cat((pg[row0:row1], vg[r]))
+            n = keys.shape[0] // P
+            codes, scales = numerics.compress_pools(keys[:n * P].view(n, P, D), gates[:n * P].view(n, P, D),
+                                                    ns["ape"][layer].cpu(), fp8)
+            locs = torch.tensor([pages[m // PAGE] * PAGE + m % PAGE for m in range(n)])
+            got_codes, got_scales = read_entries(ns["kv"][layer].cpu(), locs, layout)
+            assert torch.equal(got_codes, codes) and torch.equal(got_scales, scales), (layer, r)
+            ring = ns["tail"][layer][block].cpu()
+            for pos in range(n * P, keys.shape[0]):  # the incomplete pool's tokens
+                assert torch.equal(ring[0, pos % RING], keys[pos]) and torch.equal(ring[1, pos % RING], gates[pos])
+
+
 # --- 5. packed input form ----------------------------------------------------------------
 
 def test_packed_matches_list(backend):
