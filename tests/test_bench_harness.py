@@ -268,7 +268,7 @@ def test_bench_host_runs_and_renders(tmp_path, monkeypatch):
     readme = tmp_path / "README.md"
     readme.write_text("# x\n<!-- host:start -->\nold\n<!-- host:end -->\ntail\n")
     out = tmp_path / "host.json"
-    assert bh.main(["--reps", "2", "--only", "R=1 |B=1 ", "--device", "cpu", "--out", str(out),
+    assert bh.main(["--reps", "2", "--rounds", "1", "--only", "R=1 |B=1 ", "--device", "cpu", "--out", str(out),
                     "--readme", str(readme)]) == 0
     doc = json.loads(out.read_text())
     assert [r["label"] for r in doc["records"]] == [
