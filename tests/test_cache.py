@@ -829,6 +829,8 @@ def test_decode_slot_mappings_formula():
         decode_slot_mappings(torch.zeros(2, 3), torch.zeros(3), torch.zeros(2, 1), 4, 16, 8)
     with pytest.raises(ValueError, match="max_pages >= 1"):
         decode_slot_mappings(torch.zeros(2, 3), torch.zeros(2), torch.zeros(2, 0), 4, 16, 8)
+    with pytest.raises(ValueError, match="page_table is on meta"):
+        decode_slot_mappings(torch.zeros(2, 3), torch.zeros(2), torch.zeros(2, 1, device="meta"), 4, 16, 8)
 
 
 def test_mappings_computed_once_write_another_layer(backend):

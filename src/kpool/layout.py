@@ -118,6 +118,9 @@ def decode_slot_mappings(positions: torch.Tensor, ring_blocks: torch.Tensor, pag
         raise ValueError(f"decode_slot_mappings takes positions [B, next_n], ring_blocks [B] and page_table "
                          f"[B, max_pages >= 1], got {list(positions.shape)}, {list(ring_blocks.shape)}, "
                          f"{list(page_table.shape)}")
+    for name, t in (("ring_blocks", ring_blocks), ("page_table", page_table)):
+        if t.device != positions.device:
+            raise ValueError(f"{name} is on {t.device}, positions on {positions.device}: pass them on one device")
     pos = positions.to(torch.int64)
     live = pos >= 0
     pool = pos.clamp(min=0) // pool_size
