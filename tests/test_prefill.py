@@ -60,6 +60,7 @@ BAD = [  # (table, row, column, value, message)
     ("requests", 0, 3, P + 1, "n_keep outside"),
     ("requests", 0, 3, -1, "n_keep outside"),
     ("requests", 1, 0, 17, "seeds rows"),
+    ("requests", 0, 0, 0, "seeds rows"),  # rows end_row - n_keep < 0
     ("requests", 1, 1, 1, "seeds rows"),  # positions end_pos - n_keep < 0
     ("requests", 0, 2, 2, "ring block outside"),
     ("requests", 1, 6, P, "ring slots outside"),
