@@ -12,6 +12,9 @@ Addressing (what an engine must reproduce, see ``StepMetadata``):
 * token at position ``pos`` has ``tail_slot = block(r) * RING + pos % RING``, and
   ``slot_mapping = loc(pos // P)`` if ``(pos + 1) % P == 0`` else ``-1``.
 
+Steps are planned by ``layout.decode_slot_mappings`` / ``layout.prefill_plan`` over the whole
+batch (the functions an engine with its own scheduler calls once per step for every layer).
+
 Scoring: ``topk_indices`` turns the last step's queries into the token indices sparse
 attention reads (pools ``j < (pos + 1) // P`` of the request, scoring scratch chunked under
 ``$KPOOL_LOGITS_BUDGET_MB``); ``score_and_select`` is its graph-capturable device part.
