@@ -917,6 +917,64 @@ def test_readme_engine_example():
                 assert torch.equal(ring[0, pos % RING], keys[pos]) and torch.equal(ring[1, pos % RING], gates[pos])
 
 
+def test_write_layer_matches_a_cache_of_its_own(backend):
+    """One cache plans every step; a second layer's buffers are written by ``write_layer`` (its own
+    keys, gates and ape) and selected with ``topk_indices(kv_cache=...)``: the same bytes and rows
+    as a second ``KPoolCache`` fed that layer's tokens on the same schedule (prefill lists and
+    packed, mid-pool chunks, verify steps as tensors and lists, accept, free and a new id)."""
+    g = torch.Generator().manual_seed(71)
+    apes = [(torch.randn(4, D, generator=g) * 0.5).to(DEVICE) for _ in range(2)]
+    caches = [KPoolCache(24, page_size=16, pool_size=4, max_requests=3, max_spec_tokens=2, ape=a, device=DEVICE)
+              for a in apes]
+    planner, twin = caches
+    kv1 = random_bytes_like(planner.kv_cache.shape, DEVICE, 72)
+    tail1 = random_bytes_like(planner.tail.shape[:-1] + (2 * D,), DEVICE, 73).view(torch.bfloat16)
+    planner.kv_cache.copy_(random_bytes_like(planner.kv_cache.shape, DEVICE, 74))
+    twin.kv_cache.copy_(kv1)
+    twin.tail.copy_(tail1)
+    toks = [Tokens(75), Tokens(76)]  # layer 0's and layer 1's tokens
+    with pytest.raises(ValueError, match="there has been none"):
+        planner.write_layer(kv1, tail1, *toks[0](1), apes[1])
+
+    def step(kind, rids, counts, form):
+        data = [[tk(n) for n in counts] for tk in toks]
+        for layer, cache in enumerate(caches):
+            keys, gates = [k for k, _ in data[layer]], [g for _, g in data[layer]]
+            if form == "tensor":
+                keys, gates = torch.stack(keys), torch.stack(gates)
+            elif form == "packed":
+                keys, gates = torch.cat(keys), torch.cat(gates)
+            kw = {"cu_seqlens": [0] + [sum(counts[:i + 1]) for i in range(len(counts))]} if form == "packed" else {}
+            getattr(cache, kind)(rids, keys, gates, **kw)
+            if layer == 1:
+                planner.write_layer(kv1, tail1, keys, gates, apes[1])
+        same_bytes(kv1, twin.kv_cache, f"{kind} {rids} {counts}: kv_cache")
+        same_bytes(tail1, twin.tail, f"{kind} {rids} {counts}: tail")
+
+    def select(rids, rows):
+        q = torch.randn(rows, 16, D, generator=g).to(torch.bfloat16).to(DEVICE)
+        w = torch.randn(rows, 16, generator=g).to(DEVICE)
+        want = twin.topk_indices(rids, q, w, index_topk=16)
+        assert torch.equal(planner.topk_indices(rids, q, w, index_topk=16, kv_cache=kv1), want)
+
+    step("prefill", ["a", "b"], [37, 6], "list")
+    step("prefill", ["b", "c"], [45, 70], "packed")
+    select(["b", "c"], 115)
+    step("decode", ["a", "b", "c"], [3, 3, 3], "tensor")
+    select(["a", "b", "c"], 9)
+    for c in caches:
+        c.accept(["a", "b", "c"], [1, 3, 2])
+    step("decode", ["c", "a"], [2, 3], "list")
+    for c in caches:
+        c.free("b")
+    step("prefill", ["d", "a"], [9, 2], "list")
+    select(["d", "a"], 11)
+    with pytest.raises(ValueError, match="keys must have shape"):
+        planner.write_layer(kv1, tail1, *toks[0](3), apes[1])
+    with pytest.raises(ValueError, match="kv_cache must have shape"):
+        planner.write_layer(kv1[:-1], tail1, *toks[0](11), apes[1])
+
+
 # --- 5. packed input form ----------------------------------------------------------------
 
 def test_packed_matches_list(backend):

@@ -134,6 +134,7 @@ class KPoolCache:
         # are added): the host page table every step gathers its rows from
         self._block_pages = torch.full((max_requests, 1), -1, dtype=torch.int64)
         self.last_step: StepMetadata | None = None
+        self._last_write: tuple | None = None  # the last step's write tables, for write_layer
 
     # ------------------------------------------------------------------ queries
     @property
@@ -235,10 +236,8 @@ class KPoolCache:
         for req, a, n in zip(reqs, starts, lengths):
             req.step_start, req.step_len, req.step_kind, req.length = a, n, "prefill", a + n
         dev = self.device
-        with own_indices():  # slots and pool rows of the cache's own pages
-            write_prefill(self.kv_cache, self.tail, key, gate, self.ape, _upload(plan.pools, dev),
-                          _upload(plan.requests, dev), self.pool_size, layout=self.layout, fp8_dtype=self.fp8_dtype,
-                          round_scale=self.round_scale)
+        self._last_write = ("prefill", _upload(plan.pools, dev), _upload(plan.requests, dev), key.shape[0])
+        self._write_step(self.kv_cache, self.tail, key, gate, self.ape)
         self.last_step = StepMetadata(
             "prefill", list(request_ids), _upload(plan.positions.to(torch.int32), dev), _upload(plan.slot_mapping, dev),
             _upload(plan.tail_slot_mapping, dev), _upload(table.to(torch.int32), dev),
@@ -286,16 +285,58 @@ class KPoolCache:
             req.step_start, req.step_len, req.step_kind, req.length = a, n, "decode", a + n
         grid = _upload(grid, self.device)
         positions, slot_mapping, tail_slots = grid[0].to(torch.int32), grid[1], grid[2]
-        with own_indices():  # slots of the cache's own pages and ring blocks
-            kpool_decode_update_and_maybe_write_cache_batched(
-                self.kv_cache, self.tail, tail_slots, key, gate, self.ape, slot_mapping, positions, p,
-                round_scale=self.round_scale, layout=self.layout, fp8_dtype=self.fp8_dtype)
+        self._last_write = ("decode", tail_slots, slot_mapping, positions)
+        self._write_step(self.kv_cache, self.tail, key, gate, self.ape)
         self.last_step = StepMetadata("decode", list(request_ids), positions, slot_mapping, tail_slots,
                                       _upload(table.to(torch.int32), self.device))
         return self.last_step
 
+    def write_layer(self, kv_cache, tail, keys, gates, ape) -> None:
+        """Write the last ``prefill`` / ``decode`` step into another layer's buffers.
+
+        Every layer of a model shares one plan per step (pages, ring blocks, slots): keep one
+        ``KPoolCache`` for the bookkeeping (layer 0, its own buffers) and give each other layer
+        ``kv_cache`` / ``tail`` of the same shapes, written here with that layer's ``keys`` /
+        ``gates`` (the step's forms: packed ``[T, 128]`` or a list for prefill, ``[B, next_n,
+        128]`` or a list for decode) and its ``ape`` fp32 ``[P, 128]``. No planning, one
+        launch. An ``accept`` of the step needs nothing per layer. Select with
+        ``topk_indices(..., kv_cache=kv_cache)``.
+        """
+        if self._last_write is None:
+            raise ValueError("write_layer replays the last prefill / decode step; there has been none")
+        check_tensor("kv_cache", kv_cache, dtype=torch.uint8, shape=tuple(self.kv_cache.shape), device=self.device)
+        check_tensor("tail", tail, dtype=torch.bfloat16, shape=tuple(self.tail.shape), device=self.device)
+        check_tensor("ape", ape, dtype=torch.float32, shape=(self.pool_size, HEAD_DIM), device=self.device)
+        kind = self._last_write[0]
+        if isinstance(keys, (list, tuple)):
+            self._check_lists(self.last_step.request_ids, keys, gates)
+            counts = [k.shape[0] for k in keys]
+            if kind == "prefill":
+                keys, gates = (torch.cat(list(t)) if t else torch.empty((0, HEAD_DIM), dtype=torch.bfloat16,
+                                                                        device=self.device) for t in (keys, gates))
+            else:
+                keys, gates = (_pad_rows(list(t), counts, self.device) for t in (keys, gates))
+        want = (self._last_write[3], HEAD_DIM) if kind == "prefill" else tuple(self._last_write[3].shape) + (HEAD_DIM,)
+        for name, t in (("keys", keys), ("gates", gates)):
+            check_tensor(name, t, dtype=torch.bfloat16, shape=want, device=self.device, inner_contiguous=True)
+        self._write_step(kv_cache, tail, keys, gates, ape)
+
+    def _write_step(self, kv_cache, tail, key, gate, ape) -> None:
+        """The last step's write (``_last_write``'s tables) into ``kv_cache`` / ``tail``."""
+        kind, *tables = self._last_write
+        with own_indices():  # slots, pool rows and ring blocks the cache planned itself
+            if kind == "prefill":
+                pools, requests, _ = tables
+                write_prefill(kv_cache, tail, key, gate, ape, pools, requests, self.pool_size, layout=self.layout,
+                              fp8_dtype=self.fp8_dtype, round_scale=self.round_scale)
+            else:
+                tail_slots, slot_mapping, positions = tables
+                kpool_decode_update_and_maybe_write_cache_batched(
+                    kv_cache, tail, tail_slots, key, gate, ape, slot_mapping, positions, self.pool_size,
+                    round_scale=self.round_scale, layout=self.layout, fp8_dtype=self.fp8_dtype)
+
     # ------------------------------------------------------------------ scoring
-    def topk_indices(self, request_ids, q, weights, *, index_topk=2048, width=None) -> torch.Tensor:
+    def topk_indices(self, request_ids, q, weights, *, index_topk=2048, width=None, kv_cache=None) -> torch.Tensor:
         """Token indices sparse attention reads, for the tokens of each listed request's last step.
 
         Rows are the tokens of each request's most recent step (prefill chunk, or decode /
@@ -326,6 +367,7 @@ class KPoolCache:
         weights : fp32 ``[T, H]`` raw head weights (``weights_proj`` output in fp32).
         index_topk : tokens to select (2048 for GLM-5.3-Flash); ``index_topk >= P``.
         width : output columns, default ``index_topk + P - 1`` (e.g. 2176 = rounded up to 128).
+        kv_cache : another layer's pooled cache written by ``write_layer`` (default: this cache's).
 
         Returns
         -------
@@ -350,6 +392,9 @@ class KPoolCache:
         heads = q.shape[1]
         check_heads("q", heads)
         check_tensor("weights", weights, dtype=torch.float32, shape=(total, heads), device=self.device)
+        if kv_cache is None:
+            kv_cache = self.kv_cache
+        check_tensor("kv_cache", kv_cache, dtype=torch.uint8, shape=tuple(self.kv_cache.shape), device=self.device)
         if total == 0:
             return torch.empty((0, width), dtype=torch.int32, device=self.device)
         q8, _, w = quantize_queries(q, weights, fp8_dtype=self.fp8_dtype, round_scale=self.round_scale)
@@ -368,7 +413,7 @@ class KPoolCache:
         lone = bool(short) + len(chunks) == 1
         out = None
         with own_indices():  # the cache built every index it passes: no syncs between the grids
-            for rows, idx in self._grids(short, chunks, q8, w, page_table, select_k, width, total):
+            for rows, idx in self._grids(short, chunks, q8, w, kv_cache, page_table, select_k, width, total):
                 if lone and isinstance(rows, int):  # one grid of every row, in order: the result itself
                     return idx
                 if out is None:
@@ -376,13 +421,13 @@ class KPoolCache:
                 _put_rows(out, rows, idx)
         return out[:total]
 
-    def _grids(self, short, chunks, q8, w, page_table, select_k, width, total):
+    def _grids(self, short, chunks, q8, w, kv_cache, page_table, select_k, width, total):
         """``(rows, idx)`` of each grid of the selection, as ``_put_rows`` takes them: the short
         rows' identity selection, then each chunk of long rows."""
         if short:
             yield self._identity_rows(short, select_k, width)
         for chunk in chunks:
-            yield self._score_chunk(chunk, q8, w, page_table, select_k, width, total)
+            yield self._score_chunk(chunk, q8, w, kv_cache, page_table, select_k, width, total)
 
     def _identity_rows(self, runs, select_k, width) -> tuple:
         """Rows seeing at most ``select_k`` pools (``runs``: ``(first row, first position, rows)``):
@@ -396,7 +441,7 @@ class KPoolCache:
             return runs[0][0], idx
         return _upload(concat_ranges(first_rows, ms), self.device), idx
 
-    def _score_chunk(self, chunk, q8, w, page_table, select_k, width, total) -> tuple:
+    def _score_chunk(self, chunk, q8, w, kv_cache, page_table, select_k, width, total) -> tuple:
         """One grid ``[B, n]`` of long rows (``chunk``: items of ``_plan_chunks``, padded to the
         longest; padding rows go to the sink row ``total``). Returns ``(rows, idx)`` as ``_put_rows`` takes them."""
         reqs, first_rows, starts, ms, vis = (list(c) for c in zip(*chunk))
@@ -416,7 +461,7 @@ class KPoolCache:
         else:
             pt = page_table.index_select(0, _upload(torch.tensor(reqs, dtype=torch.int64), dev))
         idx = score_and_select_quantized(
-            q8c.reshape(batch, n, *q8.shape[1:]), wc.reshape(batch, n, w.shape[1]), self.kv_cache, pt,
+            q8c.reshape(batch, n, *q8.shape[1:]), wc.reshape(batch, n, w.shape[1]), kv_cache, pt,
             pos, pool_size=self.pool_size, select_k=select_k, width=width, max_pools=max(vis),
             layout=self.layout, fp8_dtype=self.fp8_dtype, counts=(seq, lens))
         return rows, idx
