@@ -822,6 +822,39 @@ def test_indexer_end_to_end_prefill_and_decode(backend):
     assert cache.length("x") == length and "z" not in cache.requests
 
 
+def test_two_layers_share_one_cache_plan(backend):
+    """A two-layer model on one cache: layer 0's indexer plans each step, layer 1's writes it into
+    its own buffers (``layer=cache.layer_buffers()``) and selects from them. Rows and layer 1's
+    bytes equal those of the same session on a cache per layer."""
+    prefix = "model.layers.3.self_attn.indexer."
+    mods = []
+    for seed in (4, 5):
+        ckpt = _checkpoint(prefix, seed)
+        mod = KPoolIndexer(**SMALL, device=DEVICE)
+        mod.load_state_dict({k[len(prefix):]: v.to(DEVICE) for k, v in ckpt.items()})
+        mods.append(mod)
+    kw = dict(page_size=8, max_requests=2, max_spec_tokens=1, fp8_dtype=FP8, layout="plain")
+    shared = mods[0].make_cache(8, **kw)
+    own = [m.make_cache(8, **kw) for m in mods]
+    buffers = shared.layer_buffers()
+    g = torch.Generator().manual_seed(10)
+    steps = [("prefill", ["x", "y"], (31, 64), {"cu_seqlens": [0, 22, 31]}),
+             ("decode", ["y", "x"], (2, 2, 64), {}), ("decode", ["x", "y"], (2, 2, 64), {})]
+    for mode, rids, shape, extra in steps:
+        h = torch.randn(*shape, generator=g).bfloat16().to(DEVICE)
+        qr = torch.randn(*shape[:-1], 32, generator=g).bfloat16().to(DEVICE)
+        for layer, mod in enumerate(mods):
+            got = mod(shared, rids, h, qr, mode=mode, layer=buffers if layer else None, **extra)
+            want = mod(own[layer], rids, h, qr, mode=mode, **extra)
+            assert torch.equal(got, want), (mode, layer)
+        assert torch.equal(buffers[0], own[1].kv_cache) and torch.equal(buffers[1], own[1].tail), mode
+        if mode == "decode":
+            for c in (shared, *own):
+                c.accept(rids, [1, 2])
+    with pytest.raises(ValueError, match="call the planning layer first"):
+        mods[1](shared, ["y"], h[:1], qr[:1], mode="decode", layer=buffers)
+
+
 def test_checkpoint_keys_are_strict():
     """Under the layer's prefix every key must be the indexer's or a block-fp8 scale of one of its
     fp8 weights (of the right block shape); anything else raises naming the key."""

@@ -291,6 +291,10 @@ class KPoolCache:
                                       _upload(table.to(torch.int32), self.device))
         return self.last_step
 
+    def layer_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed ``(kv_cache, tail)`` shaped as this cache's: another layer's, for ``write_layer``."""
+        return torch.zeros_like(self.kv_cache), torch.zeros_like(self.tail)
+
     def write_layer(self, kv_cache, tail, keys, gates, ape) -> None:
         """Write the last ``prefill`` / ``decode`` step into another layer's buffers.
 

@@ -130,7 +130,7 @@ class KPoolIndexer(nn.Module):
         return q, k, weights, gate
 
     def forward(self, cache: KPoolCache, request_ids, hidden_states, q_resid, *, mode="prefill", cu_seqlens=None,
-                width=None):
+                width=None, layer=None):
         """Write one step's keys into ``cache`` and return its tokens' selected indices.
 
         Parameters
@@ -144,6 +144,10 @@ class KPoolIndexer(nn.Module):
         q_resid : bf16 MLA q-lora activation after ``q_a_layernorm``, same leading shape
             with ``q_lora_rank`` last.
         width : output columns (default ``index_topk + P - 1``).
+        layer : ``(kv_cache, tail)`` of this layer (``cache.layer_buffers()``) when ``cache``
+            plans for the model's layers: the planning layer's call (``layer=None``) takes the
+            step, each other layer's call with the same requests and mode writes it into its
+            own buffers (``cache.write_layer``) and selects from them.
 
         Returns
         -------
@@ -174,8 +178,9 @@ class KPoolIndexer(nn.Module):
                     raise ValueError("prefill of several requests needs cu_seqlens")
                 cu_seqlens = [0, hidden_states.shape[0]]
             q, k, weights, gate = self.project(hidden_states, q_resid)
-            with self._pooling_ape(cache):
-                cache.prefill(request_ids, k, gate, cu_seqlens=cu_seqlens)
+            if layer is None:
+                with self._pooling_ape(cache):
+                    cache.prefill(request_ids, k, gate, cu_seqlens=cu_seqlens)
         else:
             if cu_seqlens is not None:
                 raise ValueError("cu_seqlens is for mode='prefill'; decode takes [B, next_n, hidden]")
@@ -185,9 +190,21 @@ class KPoolIndexer(nn.Module):
                                  f"[B, hidden], got {list(hidden_states.shape)}")
             batch, next_n = h3.shape[:2]
             q, k, weights, gate = self.project(h3.reshape(batch * next_n, -1), q_resid.reshape(batch * next_n, -1))
-            with self._pooling_ape(cache):
-                cache.decode(request_ids, k.view(batch, next_n, HEAD_DIM), gate.view(batch, next_n, HEAD_DIM))
-        return cache.topk_indices(request_ids, q.contiguous(), weights, index_topk=self.index_topk, width=width)
+            k, gate = k.view(batch, next_n, HEAD_DIM), gate.view(batch, next_n, HEAD_DIM)
+            if layer is None:
+                with self._pooling_ape(cache):
+                    cache.decode(request_ids, k, gate)
+        kv_cache = None
+        if layer is not None:
+            kv_cache, tail = layer
+            last = cache.metadata()
+            if last is None or last.kind != mode or last.request_ids != request_ids:
+                raise ValueError(f"layer= writes the step the cache planned last ({'none' if last is None else last.kind}"
+                                 f" of {None if last is None else last.request_ids}): call the planning layer first, "
+                                 f"with the same request_ids and mode={mode!r}")
+            cache.write_layer(kv_cache, tail, k, gate, self.index_kpool_compress_ape.detach())
+        return cache.topk_indices(request_ids, q.contiguous(), weights, index_topk=self.index_topk, width=width,
+                                  kv_cache=kv_cache)
 
     @contextlib.contextmanager
     def _pooling_ape(self, cache: KPoolCache):
