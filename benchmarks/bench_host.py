@@ -12,6 +12,8 @@ Cases (GLM-5.3-Flash geometry: P = 4, page 64, RING 8 for 3 drafts, 32 heads):
 * ``decode``: a ``decode`` of ``next_n`` tokens per request then ``accept`` of one token each,
   ``B`` requests at ``ctx`` tokens of context (``lists``: request ``i`` sends ``1 + i % next_n``
   tokens as a list of ``[n_i, 128]`` tensors, which the cache pads);
+* ``write_layer``: that decode step written into another layer's buffers (what each further
+  layer of a model costs once one cache planned the step);
 * ``topk_indices``: the selection of the ``B x next_n`` rows of that decode step.
 
 Timing: ``time.perf_counter`` around each call; ``--rounds`` passes over every case of
@@ -65,6 +67,7 @@ def cases(quick: bool) -> list[dict]:
             out.append({"op": "decode", "B": b, "next_n": n, "ctx": 4096})
         if b == 256:
             out.append({"op": "decode", "B": b, "next_n": 4, "ctx": 4096, "lists": True})
+        out.append({"op": "write_layer", "B": b, "next_n": 4, "ctx": 4096})
         out.append({"op": "topk_indices", "B": b, "next_n": 4, "ctx": 4096})
     return out
 
@@ -158,9 +161,14 @@ def measure(case: dict, device, reps: int) -> list[float]:
     ones = [1] * b
     if case.get("lists"):  # request i sends 1 + i % next_n tokens
         step = [step[i, : 1 + i % n] for i in range(b)]
+    layer = cache.layer_buffers() + (cache.ape,)
     for _ in range(reps + 1):
         if case["op"] == "decode":
             times.append(_timed(lambda: (cache.decode(ids, step, step), cache.accept(ids, ones)), device))
+        elif case["op"] == "write_layer":
+            cache.decode(ids, step, step)
+            times.append(_timed(lambda: cache.write_layer(layer[0], layer[1], step, step, layer[2]), device))
+            cache.accept(ids, ones)
         else:
             cache.decode(ids, step, step)
             times.append(_timed(lambda: cache.topk_indices(ids, q, w, index_topk=INDEX_TOPK), device))
