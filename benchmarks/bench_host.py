@@ -127,13 +127,16 @@ def _rows(device, n: int, seed: int) -> torch.Tensor:
     return torch.randn(n, 128, generator=g).to(torch.bfloat16).to(device)
 
 
-def _fill(cache, ids, ctx, device, group=64) -> None:
-    """Prefill ``ctx`` tokens for each id, ``group`` requests per call (one shared key tensor)."""
+def _fill(cache, ids, ctx, device, layer=None, group=64) -> None:
+    """Prefill ``ctx`` tokens for each id, ``group`` requests per call (one shared key tensor),
+    each step also written into ``layer`` (``(kv_cache, tail, ape)``) when given."""
     key = _rows(device, group * ctx, 1)
     for i in range(0, len(ids), group):
         part = ids[i:i + group]
-        cache.prefill(part, key[: len(part) * ctx], key[: len(part) * ctx],
-                      cu_seqlens=[j * ctx for j in range(len(part) + 1)])
+        rows = key[: len(part) * ctx]
+        cache.prefill(part, rows, rows, cu_seqlens=[j * ctx for j in range(len(part) + 1)])
+        if layer is not None:
+            cache.write_layer(layer[0], layer[1], rows, rows, layer[2])
 
 
 def measure(case: dict, device, reps: int) -> list[float]:
@@ -154,14 +157,14 @@ def measure(case: dict, device, reps: int) -> list[float]:
     b, n = case["B"], case["next_n"]
     cache = _cache(device, b, case["ctx"] + (reps + 1) * (n + 1))
     ids = [f"r{i}" for i in range(b)]
-    _fill(cache, ids, case["ctx"], device)
+    layer = cache.layer_buffers() + (cache.ape,) if case["op"] == "write_layer" else None
+    _fill(cache, ids, case["ctx"], device, layer)
     step = _rows(device, b * n, 3).view(b, n, 128)
     q = torch.randn(b * n, HEADS, 128, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).to(device)
     w = torch.randn(b * n, HEADS, generator=torch.Generator().manual_seed(5)).to(device)
     ones = [1] * b
     if case.get("lists"):  # request i sends 1 + i % next_n tokens
         step = [step[i, : 1 + i % n] for i in range(b)]
-    layer = cache.layer_buffers() + (cache.ape,)
     for _ in range(reps + 1):
         if case["op"] == "decode":
             times.append(_timed(lambda: (cache.decode(ids, step, step), cache.accept(ids, ones)), device))

@@ -927,8 +927,9 @@ def test_write_layer_matches_a_cache_of_its_own(backend):
     caches = [KPoolCache(24, page_size=16, pool_size=4, max_requests=3, max_spec_tokens=2, ape=a, device=DEVICE)
               for a in apes]
     planner, twin = caches
-    kv1 = random_bytes_like(planner.kv_cache.shape, DEVICE, 72)
-    tail1 = random_bytes_like(planner.tail.shape[:-1] + (2 * D,), DEVICE, 73).view(torch.bfloat16)
+    kv1, tail1 = planner.layer_buffers()
+    kv1.copy_(random_bytes_like(planner.kv_cache.shape, DEVICE, 72))
+    tail1.view(torch.uint8).copy_(random_bytes_like(tail1.view(torch.uint8).shape, DEVICE, 73))
     planner.kv_cache.copy_(random_bytes_like(planner.kv_cache.shape, DEVICE, 74))
     twin.kv_cache.copy_(kv1)
     twin.tail.copy_(tail1)
@@ -969,10 +970,30 @@ def test_write_layer_matches_a_cache_of_its_own(backend):
         c.free("b")
     step("prefill", ["d", "a"], [9, 2], "list")
     select(["d", "a"], 11)
+    # misuse: each raises before writing anything
+    kv_before, tail_before = kv1.clone(), tail1.clone()
+    with pytest.raises(ValueError, match="already written"):
+        planner.write_layer(kv1, tail1, *toks[1](11), apes[1])
+    with pytest.raises(ValueError, match="pair from this cache's layer_buffers"):
+        planner.write_layer(kv1.clone(), tail1, *toks[1](11), apes[1])
+    with pytest.raises(ValueError, match="pair from this cache's layer_buffers"):
+        planner.write_layer(kv1, tail1.clone(), *toks[1](11), apes[1])
+    with pytest.raises(ValueError, match="requests are live"):
+        planner.layer_buffers()
+    for _ in range(2):  # two steps the layer does not get
+        k, g = toks[0](1)
+        planner.decode(["d"], k.view(1, 1, D), g.view(1, 1, D))
+    k, g = toks[1](1)
+    with pytest.raises(ValueError, match=r"missed steps 6\.\.6"):
+        planner.write_layer(kv1, tail1, k.view(1, 1, D), g.view(1, 1, D), apes[1])
+    same_bytes(kv1, kv_before, "rejected writes: kv_cache")
+    same_bytes(tail1, tail_before, "rejected writes: tail")
+    small = KPoolCache(4, page_size=16, pool_size=4, max_requests=1, ape=apes[0], device=DEVICE)
+    kv, tail = small.layer_buffers()
+    k, g = toks[0](5)
+    small.prefill(["z"], [k], [g])
     with pytest.raises(ValueError, match="keys must have shape"):
-        planner.write_layer(kv1, tail1, *toks[0](3), apes[1])
-    with pytest.raises(ValueError, match="kv_cache must have shape"):
-        planner.write_layer(kv1[:-1], tail1, *toks[0](11), apes[1])
+        small.write_layer(kv, tail, *toks[1](3), apes[1])
 
 
 # --- 5. packed input form ----------------------------------------------------------------

@@ -135,6 +135,8 @@ class KPoolCache:
         self._block_pages = torch.full((max_requests, 1), -1, dtype=torch.int64)
         self.last_step: StepMetadata | None = None
         self._last_write: tuple | None = None  # the last step's write tables, for write_layer
+        self._steps = 0  # prefill / decode steps taken
+        self._layers: list = []  # [kv_cache, tail, steps written] of each layer_buffers() pair
 
     # ------------------------------------------------------------------ queries
     @property
@@ -237,6 +239,7 @@ class KPoolCache:
             req.step_start, req.step_len, req.step_kind, req.length = a, n, "prefill", a + n
         dev = self.device
         self._last_write = ("prefill", _upload(plan.pools, dev), _upload(plan.requests, dev), key.shape[0])
+        self._steps += 1
         self._write_step(self.kv_cache, self.tail, key, gate, self.ape)
         self.last_step = StepMetadata(
             "prefill", list(request_ids), _upload(plan.positions.to(torch.int32), dev), _upload(plan.slot_mapping, dev),
@@ -286,14 +289,23 @@ class KPoolCache:
         grid = _upload(grid, self.device)
         positions, slot_mapping, tail_slots = grid[0].to(torch.int32), grid[1], grid[2]
         self._last_write = ("decode", tail_slots, slot_mapping, positions)
+        self._steps += 1
         self._write_step(self.kv_cache, self.tail, key, gate, self.ape)
         self.last_step = StepMetadata("decode", list(request_ids), positions, slot_mapping, tail_slots,
                                       _upload(table.to(torch.int32), self.device))
         return self.last_step
 
     def layer_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Zeroed ``(kv_cache, tail)`` shaped as this cache's: another layer's, for ``write_layer``."""
-        return torch.zeros_like(self.kv_cache), torch.zeros_like(self.tail)
+        """Zeroed ``(kv_cache, tail)`` shaped as this cache's: another layer's, for ``write_layer``.
+
+        Allocate them while the cache holds no request (a layer added later would miss the
+        live requests' tokens); ``write_layer`` then checks that they receive every step once."""
+        if self._requests:
+            raise ValueError(f"layer_buffers() while {len(self._requests)} requests are live: their tokens would be "
+                             "missing from the new layer; allocate every layer's buffers before the first step")
+        kv_cache, tail = torch.zeros_like(self.kv_cache), torch.zeros_like(self.tail)
+        self._layers.append([kv_cache, tail, self._steps])
+        return kv_cache, tail
 
     def write_layer(self, kv_cache, tail, keys, gates, ape) -> None:
         """Write the last ``prefill`` / ``decode`` step into another layer's buffers.
@@ -305,11 +317,19 @@ class KPoolCache:
         128]`` or a list for decode) and its ``ape`` fp32 ``[P, 128]``. No planning, one
         launch. An ``accept`` of the step needs nothing per layer. Select with
         ``topk_indices(..., kv_cache=kv_cache)``.
+
+        The buffers must come from ``layer_buffers()`` and receive every step once, in order: a
+        second write of a step, or a write after a step the layer missed, raises.
         """
         if self._last_write is None:
             raise ValueError("write_layer replays the last prefill / decode step; there has been none")
-        check_tensor("kv_cache", kv_cache, dtype=torch.uint8, shape=tuple(self.kv_cache.shape), device=self.device)
-        check_tensor("tail", tail, dtype=torch.bfloat16, shape=tuple(self.tail.shape), device=self.device)
+        layer = next((entry for entry in self._layers if entry[0] is kv_cache), None)
+        if layer is None or layer[1] is not tail:
+            raise ValueError("kv_cache / tail must be a pair from this cache's layer_buffers()")
+        if layer[2] != self._steps - 1:
+            what = "was already written" if layer[2] == self._steps else f"missed steps {layer[2] + 1}..{self._steps - 1}"
+            raise ValueError(f"write_layer writes step {self._steps} (the last one); this layer {what}: write every "
+                             "layer after each prefill / decode, before the next")
         check_tensor("ape", ape, dtype=torch.float32, shape=(self.pool_size, HEAD_DIM), device=self.device)
         kind = self._last_write[0]
         if isinstance(keys, (list, tuple)):
@@ -324,6 +344,7 @@ class KPoolCache:
         for name, t in (("keys", keys), ("gates", gates)):
             check_tensor(name, t, dtype=torch.bfloat16, shape=want, device=self.device, inner_contiguous=True)
         self._write_step(kv_cache, tail, keys, gates, ape)
+        layer[2] = self._steps
 
     def _write_step(self, kv_cache, tail, key, gate, ape) -> None:
         """The last step's write (``_last_write``'s tables) into ``kv_cache`` / ``tail``."""
