@@ -134,7 +134,7 @@ class KPoolCache:
         # are added): the host page table every step gathers its rows from
         self._block_pages = torch.full((max_requests, 1), -1, dtype=torch.int64)
         self.last_step: StepMetadata | None = None
-        self._last_write: tuple | None = None  # the last step's write tables, for write_layer
+        self._last_write: tuple | None = None  # (kind, device tables, tokens per request) of the last step
         self._steps = 0  # prefill / decode steps taken
         self._layers: list = []  # [kv_cache, tail, steps written] of each layer_buffers() pair
 
@@ -238,7 +238,7 @@ class KPoolCache:
         for req, a, n in zip(reqs, starts, lengths):
             req.step_start, req.step_len, req.step_kind, req.length = a, n, "prefill", a + n
         dev = self.device
-        self._last_write = ("prefill", _upload(plan.pools, dev), _upload(plan.requests, dev), key.shape[0])
+        self._last_write = ("prefill", (_upload(plan.pools, dev), _upload(plan.requests, dev)), lengths)
         self._steps += 1
         self._write_step(self.kv_cache, self.tail, key, gate, self.ape)
         self.last_step = StepMetadata(
@@ -254,18 +254,7 @@ class KPoolCache:
         ``keys``/``gates``: bf16 ``[B, next_n, 128]``, or lists of ``[n_i, 128]`` (mixed lengths,
         padded here). At most ``max_spec_tokens + 1`` tokens per request; ``accept`` commits a prefix.
         """
-        if torch.is_tensor(keys):
-            check_tensor("keys", keys, dtype=torch.bfloat16, ndim=3, device=self.device, inner_contiguous=True)
-            check_tensor("gates", gates, dtype=torch.bfloat16, shape=tuple(keys.shape), device=self.device,
-                         inner_contiguous=True)
-            if keys.shape[0] != len(request_ids) or keys.shape[2] != HEAD_DIM:
-                raise ValueError(f"keys must be [{len(request_ids)}, next_n, {HEAD_DIM}], got {list(keys.shape)}")
-            counts = [keys.shape[1]] * len(request_ids)
-            key, gate = keys, gates
-        else:
-            self._check_lists(request_ids, keys, gates)
-            counts = [k.shape[0] for k in keys]
-            key, gate = (_pad_rows(list(t), counts, self.device) for t in (keys, gates))
+        key, gate, counts = self._step_rows(request_ids, keys, gates)
         if len(set(request_ids)) != len(request_ids):
             raise ValueError("request_ids must not repeat within a step")
         for rid, n in zip(request_ids, counts):
@@ -288,7 +277,7 @@ class KPoolCache:
             req.step_start, req.step_len, req.step_kind, req.length = a, n, "decode", a + n
         grid = _upload(grid, self.device)
         positions, slot_mapping, tail_slots = grid[0].to(torch.int32), grid[1], grid[2]
-        self._last_write = ("decode", tail_slots, slot_mapping, positions)
+        self._last_write = ("decode", (tail_slots, slot_mapping, positions), counts)
         self._steps += 1
         self._write_step(self.kv_cache, self.tail, key, gate, self.ape)
         self.last_step = StepMetadata("decode", list(request_ids), positions, slot_mapping, tail_slots,
@@ -331,16 +320,18 @@ class KPoolCache:
             raise ValueError(f"write_layer writes step {self._steps} (the last one); this layer {what}: write every "
                              "layer after each prefill / decode, before the next")
         check_tensor("ape", ape, dtype=torch.float32, shape=(self.pool_size, HEAD_DIM), device=self.device)
-        kind = self._last_write[0]
-        if isinstance(keys, (list, tuple)):
-            self._check_lists(self.last_step.request_ids, keys, gates)
-            counts = [k.shape[0] for k in keys]
-            if kind == "prefill":
-                keys, gates = (torch.cat(list(t)) if t else torch.empty((0, HEAD_DIM), dtype=torch.bfloat16,
-                                                                        device=self.device) for t in (keys, gates))
-            else:
-                keys, gates = (_pad_rows(list(t), counts, self.device) for t in (keys, gates))
-        want = (self._last_write[3], HEAD_DIM) if kind == "prefill" else tuple(self._last_write[3].shape) + (HEAD_DIM,)
+        kind, tables, counts = self._last_write
+        ids, listed, given = self.last_step.request_ids, isinstance(keys, (list, tuple)), None
+        if kind == "prefill":
+            if listed:
+                keys, gates, bounds = self._pack(ids, keys, gates, None)
+                given = [b - a for a, b in bounds]
+            want = (sum(counts), HEAD_DIM)
+        else:
+            keys, gates, given = self._step_rows(ids, keys, gates)
+            want = (len(counts), tables[2].shape[1], HEAD_DIM)
+        if listed and given != counts:
+            raise ValueError(f"keys / gates hold {given} tokens per request; the step wrote {counts}")
         for name, t in (("keys", keys), ("gates", gates)):
             check_tensor(name, t, dtype=torch.bfloat16, shape=want, device=self.device, inner_contiguous=True)
         self._write_step(kv_cache, tail, keys, gates, ape)
@@ -348,10 +339,10 @@ class KPoolCache:
 
     def _write_step(self, kv_cache, tail, key, gate, ape) -> None:
         """The last step's write (``_last_write``'s tables) into ``kv_cache`` / ``tail``."""
-        kind, *tables = self._last_write
+        kind, tables, _ = self._last_write
         with own_indices():  # slots, pool rows and ring blocks the cache planned itself
             if kind == "prefill":
-                pools, requests, _ = tables
+                pools, requests = tables
                 write_prefill(kv_cache, tail, key, gate, ape, pools, requests, self.pool_size, layout=self.layout,
                               fp8_dtype=self.fp8_dtype, round_scale=self.round_scale)
             else:
@@ -497,6 +488,21 @@ class KPoolCache:
             return self._requests[request_id]
         except (KeyError, TypeError):
             raise KeyError(f"unknown or freed request id {request_id!r}") from None
+
+    def _step_rows(self, request_ids, keys, gates):
+        """A decode step's ``keys`` / ``gates`` (bf16 ``[B, next_n, 128]``, or lists of ``[n_i, 128]``,
+        padded here) -> ``(key, gate, tokens per request)``."""
+        if torch.is_tensor(keys):
+            check_tensor("keys", keys, dtype=torch.bfloat16, ndim=3, device=self.device, inner_contiguous=True)
+            check_tensor("gates", gates, dtype=torch.bfloat16, shape=tuple(keys.shape), device=self.device,
+                         inner_contiguous=True)
+            if keys.shape[0] != len(request_ids) or keys.shape[2] != HEAD_DIM:
+                raise ValueError(f"keys must be [{len(request_ids)}, next_n, {HEAD_DIM}], got {list(keys.shape)}")
+            return keys, gates, [keys.shape[1]] * len(request_ids)
+        self._check_lists(request_ids, keys, gates)
+        counts = [k.shape[0] for k in keys]
+        key, gate = (_pad_rows(list(t), counts, self.device) for t in (keys, gates))
+        return key, gate, counts
 
     def _check_lists(self, request_ids, keys, gates) -> None:
         if not isinstance(keys, (list, tuple)) or not isinstance(gates, (list, tuple)):
