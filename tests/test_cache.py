@@ -890,10 +890,12 @@ def test_prefill_plan_writes_another_layer(backend):
 
 
 def test_readme_engine_example():
-    """The README's engine example, run as it stands: every pool it completed holds the oracle's
-    entry at the slot the engine's page table gives, and each ring its incomplete pool's tokens."""
+    """The README's engine example, run as it stands: each layer's whole ``kv_cache`` is the
+    oracle's entries at the slots the engine's page table gives and zeros elsewhere, and its
+    whole ring holds exactly the tokens the writers put there (the prefill's kept tail and the
+    verify step's tokens, at ``pos % RING`` of the request's block)."""
     from pathlib import Path
-    from kpool.layout import read_entries, resolve_fp8_dtype, resolve_layout
+    from kpool.layout import resolve_fp8_dtype, resolve_layout
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     code = text.split("<!-- engine-example:start -->")[1].split("<!-- engine-example:end -->")[0]
     code = code.split("```python")[1].split("```")[0]
@@ -904,17 +906,22 @@ def test_readme_engine_example():
     for layer in range(ns["LAYERS"]):
         pk, pg = (t.cpu() for t in ns["prefill_kg"][layer])
         vk, vg = (t.cpu() for t in ns["verify_kg"][layer])
+        kv_want = torch.zeros_like(ns["kv"][layer], device="cpu").view(-1)
+        tail_want = torch.zeros_like(ns["tail"][layer], device="cpu")
         for r, (row0, row1), block, pages in ((0, (0, 300), 2, [7, 3]), (1, (300, 370), 0, [5])):
             keys, gates = torch.cat((pk[row0:row1], vk[r])), torch.cat((pg[row0:row1], vg[r]))
             n = keys.shape[0] // P
             codes, scales = numerics.compress_pools(keys[:n * P].view(n, P, D), gates[:n * P].view(n, P, D),
                                                     ns["ape"][layer].cpu(), fp8)
-            locs = torch.tensor([pages[m // PAGE] * PAGE + m % PAGE for m in range(n)])
-            got_codes, got_scales = read_entries(ns["kv"][layer].cpu(), locs, layout)
-            assert torch.equal(got_codes, codes) and torch.equal(got_scales, scales), (layer, r)
-            ring = ns["tail"][layer][block].cpu()
-            for pos in range(n * P, keys.shape[0]):  # the incomplete pool's tokens
-                assert torch.equal(ring[0, pos % RING], keys[pos]) and torch.equal(ring[1, pos % RING], gates[pos])
+            offsets = _entry_offsets([_pool_slot(pages, m, PAGE) for m in range(n)], PAGE, layout)
+            kv_want[offsets[:, :D]] = codes
+            kv_want[offsets[:, D:]] = scales.view(torch.uint8).reshape(n, 4)
+            prompt = row1 - row0
+            kept = min(prompt, prompt % P)  # the prefill seeds its incomplete pool's tokens
+            for pos in list(range(prompt - kept, prompt)) + list(range(prompt, keys.shape[0])):
+                tail_want[block, 0, pos % RING], tail_want[block, 1, pos % RING] = keys[pos], gates[pos]
+        same_bytes(ns["kv"][layer].cpu(), kv_want.view(ns["kv"][layer].shape), f"layer {layer}: kv_cache")
+        same_bytes(ns["tail"][layer].cpu(), tail_want, f"layer {layer}: tail")
 
 
 def test_write_layer_matches_a_cache_of_its_own(backend):
@@ -988,12 +995,19 @@ def test_write_layer_matches_a_cache_of_its_own(backend):
         planner.write_layer(kv1, tail1, k.view(1, 1, D), g.view(1, 1, D), apes[1])
     same_bytes(kv1, kv_before, "rejected writes: kv_cache")
     same_bytes(tail1, tail_before, "rejected writes: tail")
-    small = KPoolCache(4, page_size=16, pool_size=4, max_requests=1, ape=apes[0], device=DEVICE)
+    small = KPoolCache(4, page_size=16, pool_size=4, max_requests=1, max_spec_tokens=1, ape=apes[0], device=DEVICE)
     kv, tail = small.layer_buffers()
     k, g = toks[0](5)
     small.prefill(["z"], [k], [g])
     with pytest.raises(ValueError, match="keys must have shape"):
         small.write_layer(kv, tail, *toks[1](3), apes[1])
+    with pytest.raises(ValueError, match=r"hold \[4\] tokens per request; the step wrote \[5\]"):
+        small.write_layer(kv, tail, *([t] for t in toks[1](4)), apes[1])
+    small.write_layer(kv, tail, *([t] for t in toks[1](5)), apes[1])
+    k, g = toks[0](2)
+    small.decode(["z"], [k], [g])
+    with pytest.raises(ValueError, match=r"hold \[1\] tokens per request; the step wrote \[2\]"):
+        small.write_layer(kv, tail, *([t] for t in toks[1](1)), apes[1])
 
 
 # --- 5. packed input form ----------------------------------------------------------------
