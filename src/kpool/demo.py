@@ -20,6 +20,7 @@ import sys
 import time
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from . import numerics, reference
 from ._backend import backend_for
@@ -213,10 +214,7 @@ def run_demo(*, requests: int = 8, max_prompt: int = 6000, decode_steps: int = 4
         drafts = [tokens(n) for n in counts]
         with _timed(stats["decode_times"], device):
             cache.decode(ids, [k.to(device) for k, _ in drafts], [g.to(device) for _, g in drafts])
-        padded = [torch.zeros(requests, max(counts), HEAD_DIM, dtype=torch.bfloat16) for _ in range(2)]
-        for i, (k, g) in enumerate(drafts):
-            padded[0][i, :k.shape[0]], padded[1][i, :g.shape[0]] = k, g
-        layer2.decode(ids, padded[0].to(device), padded[1].to(device))
+        layer2.decode(ids, *(pad_sequence(rows, batch_first=True).to(device) for rows in zip(*drafts)))
         _check_selection(cache, ids, counts, drafts, streams, ape, gen, stats, device, index_topk, heads)
         accepted = [rng.randint(1, n) for n in counts]
         cache.accept(ids, accepted)
