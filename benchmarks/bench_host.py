@@ -51,7 +51,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 sys.path.insert(0, str(BENCH_DIR))
-from harness import git_info  # noqa: E402
+from harness import _quantile, git_info  # noqa: E402
 
 P, PAGE, SPEC, HEADS, INDEX_TOPK = 4, 64, 3, 32, 2048
 START, END = "<!-- host:start -->", "<!-- host:end -->"
@@ -177,11 +177,6 @@ def measure(case: dict, device, reps: int) -> list[float]:
             times.append(_timed(lambda: cache.topk_indices(ids, q, w, index_topk=INDEX_TOPK), device))
             cache.accept(ids, ones)
     return times[1:]
-
-
-def _quantile(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
 
 
 def cpu_name() -> str:
