@@ -806,9 +806,9 @@ def test_metadata_example(backend):
 
 
 def test_decode_slot_mappings_formula():
-    """``kpool.layout.decode_slot_mappings`` against the addressing rules, element by element:
+    """``kpool.planning.decode_slot_mappings`` against the addressing rules, element by element:
     padding, ring wrap, pools on every page column, pages missing (-1) or past the table."""
-    from kpool.layout import decode_slot_mappings
+    from kpool.planning import decode_slot_mappings
     rng = random.Random(7)
     for P, page, ring in ((4, 16, 8), (4, 64, 4), (16, 32, 32), (3, 5, 6)):
         B, n, width = 9, 4, 3
@@ -825,12 +825,34 @@ def test_decode_slot_mappings_formula():
                 want = pg * page + q // P % page if q >= 0 and (q + 1) % P == 0 and pg >= 0 else -1
                 assert int(slots[b, j]) == want, (P, page, b, j, q)
                 assert int(tslots[b, j]) == (blocks[b] * ring + q % ring if q >= 0 else -1), (P, b, j, q)
+
+
+def test_decode_slot_mappings_rejects_bad_input():
+    """Shapes, devices, non-integer tensors, sizes, and (host tensors) a live row's negative ring block."""
+    from kpool.planning import decode_slot_mappings
+
+    def z(*shape, **kw):
+        return torch.zeros(*shape, dtype=torch.int64, **kw)
     with pytest.raises(ValueError, match="ring_blocks"):
-        decode_slot_mappings(torch.zeros(2, 3), torch.zeros(3), torch.zeros(2, 1), 4, 16, 8)
+        decode_slot_mappings(z(2, 3), z(3), z(2, 1), 4, 16, 8)
     with pytest.raises(ValueError, match="max_pages >= 1"):
-        decode_slot_mappings(torch.zeros(2, 3), torch.zeros(2), torch.zeros(2, 0), 4, 16, 8)
+        decode_slot_mappings(z(2, 3), z(2), z(2, 0), 4, 16, 8)
     with pytest.raises(ValueError, match="page_table is on meta"):
-        decode_slot_mappings(torch.zeros(2, 3), torch.zeros(2), torch.zeros(2, 1, device="meta"), 4, 16, 8)
+        decode_slot_mappings(z(2, 3), z(2), z(2, 1, device="meta"), 4, 16, 8)
+    for args, name in (((torch.zeros(2, 3), z(2), z(2, 1)), "positions"), ((z(2, 3), z(2).float(), z(2, 1)),
+                                                                           "ring_blocks"),
+                       ((z(2, 3), z(2), z(2, 1).double()), "page_table")):
+        with pytest.raises(TypeError, match=name):
+            decode_slot_mappings(*args, 4, 16, 8)
+    for sizes, name in (((0, 16, 8), "pool_size"), ((4, 0, 8), "page_size"), ((4, 16, 0), "ring"),
+                        ((4, 16, 6), "multiple of pool_size")):
+        with pytest.raises(ValueError, match=name):
+            decode_slot_mappings(z(2, 3), z(2), z(2, 1), *sizes)
+    pos = torch.tensor([[5, 6], [-1, -1]])
+    with pytest.raises(ValueError, match="ring_blocks has a negative block"):
+        decode_slot_mappings(pos, torch.tensor([-1, 0]), z(2, 1), 4, 16, 8)
+    _, tslots = decode_slot_mappings(pos, torch.tensor([0, -1]), z(2, 1), 4, 16, 8)  # a padding row's block: unused
+    assert tslots.tolist() == [[5, 6], [-1, -1]]
 
 
 def test_mappings_computed_once_write_another_layer(backend):
@@ -838,7 +860,7 @@ def test_mappings_computed_once_write_another_layer(backend):
     decode op with ``decode_slot_mappings`` of the cache's page table, ring blocks and positions;
     both layers end byte-identical (same keys / gates / ape), random bytes everywhere else."""
     from kpool import kpool_decode_update_and_maybe_write_cache_batched
-    from kpool.layout import decode_slot_mappings
+    from kpool.planning import decode_slot_mappings
     P, page = 4, 16
     h = Harness(pool=P, spec=3, page=page, num_pages=12, max_requests=3, seed=51)
     c, rids, toks = h.cache, ["a", "b", "c"], Tokens(52)
@@ -1008,6 +1030,62 @@ def test_write_layer_matches_a_cache_of_its_own(backend):
     small.decode(["z"], [k], [g])
     with pytest.raises(ValueError, match=r"hold \[1\] tokens per request; the step wrote \[2\]"):
         small.write_layer(kv, tail, *([t] for t in toks[1](1)), apes[1])
+
+
+
+def test_layer_guards_and_failed_steps(backend):
+    """A step whose write raises leaves the cache as it was (lengths, metadata, step count: the
+    next step and every layer's write_layer go on); ``topk_indices(kv_cache=)`` takes only this
+    cache's buffers or a layer that has every step; the metadata tensors are the caller's to change
+    (write_layer replays the cache's own tables); buffers the caller drops are freed."""
+    import gc
+    import weakref
+    g = torch.Generator().manual_seed(81)
+    ape = (torch.randn(4, D, generator=g) * 0.5).to(DEVICE)
+    planner, twin = (KPoolCache(8, page_size=16, pool_size=4, max_requests=2, max_spec_tokens=1, ape=ape,
+                                device=DEVICE) for _ in range(2))
+    kv1, tail1 = planner.layer_buffers()
+    dropped = weakref.ref(planner.layer_buffers()[0])
+    gc.collect()
+    assert dropped() is None, "layer buffers the caller dropped are still alive"
+    toks, toks1 = Tokens(82), Tokens(83)
+    k, gt = toks(9)
+    k1, g1 = toks1(9)
+    planner.prefill(["a"], [k], [gt])
+    twin.prefill(["a"], [k1], [g1])
+    q = torch.randn(9, 16, D, generator=g).to(torch.bfloat16).to(DEVICE)
+    w = torch.randn(9, 16, generator=g).to(DEVICE)
+    with pytest.raises(ValueError, match="has received 0 of the cache's 1 steps"):
+        planner.topk_indices(["a"], q, w, index_topk=4, kv_cache=kv1)
+    with pytest.raises(ValueError, match="this cache's or one from its layer_buffers"):
+        planner.topk_indices(["a"], q, w, index_topk=4, kv_cache=kv1.clone())
+    planner.write_layer(kv1, tail1, [k1], [g1], ape)
+    meta0, len0 = planner.metadata(), planner.length("a")
+    with pytest.raises(ValueError, match="allows 2"):  # an empty batch of 3-token steps: nothing planned
+        planner.decode([], torch.zeros(0, 3, D, dtype=torch.bfloat16, device=DEVICE),
+                       torch.zeros(0, 3, D, dtype=torch.bfloat16, device=DEVICE))
+    real_write = planner._write_step
+
+    def failing(*args):
+        raise RuntimeError("launch failed")
+    planner._write_step = failing
+    k, gt = toks(2)
+    with pytest.raises(RuntimeError, match="launch failed"):
+        planner.decode(["a"], k.view(1, 2, D), gt.view(1, 2, D))
+    planner._write_step = real_write
+    assert planner.metadata() is meta0 and planner.length("a") == len0
+    planner.decode(["a"], k.view(1, 2, D), gt.view(1, 2, D))
+    k1, g1 = toks1(2)
+    twin.decode(["a"], k1.view(1, 2, D), g1.view(1, 2, D))
+    meta = planner.metadata()
+    for t in (meta.tail_slot_mapping, meta.slot_mapping, meta.positions):
+        t.fill_(0)  # the caller's copies
+    planner.write_layer(kv1, tail1, k1.view(1, 2, D), g1.view(1, 2, D), ape)
+    same_bytes(kv1, twin.kv_cache, "layer after an edited metadata(): kv_cache")
+    same_bytes(tail1, twin.tail, "layer after an edited metadata(): tail")
+    q, w = q[:2], w[:2]
+    assert torch.equal(planner.topk_indices(["a"], q, w, index_topk=4, kv_cache=kv1),
+                       twin.topk_indices(["a"], q, w, index_topk=4))
 
 
 # --- 5. packed input form ----------------------------------------------------------------

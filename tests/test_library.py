@@ -148,7 +148,7 @@ def test_compiled_graph_matches_eager(backend, device):
 def test_decode_slot_mappings_compiles_whole(device):
     """``decode_slot_mappings`` traces into one graph (``fullgraph=True``: no host sync, no
     data-dependent shape), so an engine can compile it into its step; same values as eager."""
-    from kpool.layout import decode_slot_mappings
+    from kpool.planning import decode_slot_mappings
     pos = torch.tensor([[63, 64, 65, 66], [3, -1, -1, -1], [130, 131, 132, 133]], device=device)
     blocks = torch.tensor([2, 0, 1], device=device)
     table = torch.tensor([[4, -1, -1], [7, -1, -1], [0, 5, 6]], dtype=torch.int32, device=device)

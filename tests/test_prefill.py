@@ -116,3 +116,47 @@ def test_plan_rejects_inconsistent_state():
         prefill_plan([0, 5], [0, 0], [0, 1], [[0], [1]], P, PAGE, ring)
     plan = prefill_plan([0, 2], [5], [1], [[-1]], P, PAGE, ring)  # positions 5, 6 complete no pool: no page
     assert plan.pools.shape == (0, 2) and plan.requests.tolist() == [[2, 7, 1, 2, 0, 0, 0, -1]]
+
+
+@pytest.mark.parametrize("table, row, col, source, message", [
+    ("pools", 1, 1, ("pools", 0, 1), "cache slots written repeat"),
+    ("requests", 1, 7, ("pools", 2, 1), "cache slots written repeat"),  # the head pool onto a listed pool
+    ("requests", 1, 2, ("requests", 0, 2), "ring blocks of the requests that seed or read a ring repeat"),
+])
+def test_racing_tables_raise_and_write_nothing(backend, table, row, col, source, message):
+    """Programs run concurrently: a slot written by two of them, or one request seeding the ring
+    another reads, raises instead of leaving bytes that depend on their order."""
+    kv, tail, key, gate, ape, plan = _batch()
+    tables = {"pools": plan.pools.clone(), "requests": plan.requests.clone()}
+    src_table, src_row, src_col = source
+    tables[table][row, col] = tables[src_table][src_row, src_col]
+    kv0, tail0 = kv.clone(), tail.clone()
+    with pytest.raises(ValueError, match=message):
+        write_prefill(kv, tail, key, gate, ape, tables["pools"].to(DEVICE), tables["requests"].to(DEVICE), P,
+                      layout="plain", fp8_dtype=torch.float8_e4m3fn)
+    assert_bytes_equal(kv, kv0, "kv_cache")
+    assert_bytes_equal(tail, tail0, "tail")
+
+
+def test_plan_rejects_bad_input():
+    """Non-integers (never truncated), a negative ring block, sizes; a device page table gives a
+    plan on its device, equal to the host plan."""
+    ring = ring_size(P, 0)
+    for args, exc, message in (
+            (([0, 5.5], [0], [0], [[0]]), TypeError, "cu_seqlens must hold integers"),
+            (([0, 5], torch.tensor([1.0]), [0], [[0]]), TypeError, "starts must have dtype"),
+            (([0, 5], [0], [True], [[0]]), TypeError, "ring_blocks must hold integers"),
+            (([0, 5], [0], [0], [[0.5]]), TypeError, "page_table must have dtype"),
+            (([0, 5], [0], [-1], [[0]]), ValueError, "ring_blocks must be non-negative")):
+        with pytest.raises(exc, match=message):
+            prefill_plan(*args, P, PAGE, ring)
+    for sizes, message in (((0, PAGE, ring), "pool_size"), ((P, 0, ring), "page_size"), ((P, PAGE, 0), "ring"),
+                           ((P, PAGE, 6), "multiple of pool_size")):
+        with pytest.raises(ValueError, match=message):
+            prefill_plan([0, 5], [0], [0], [[0]], *sizes)
+    host = prefill_plan([0, 9, 16], [0, 3], [1, 0], [[2, -1], [0, -1]], P, PAGE, ring)
+    dev = prefill_plan(torch.tensor([0, 9, 16], device=DEVICE), torch.tensor([0, 3], device=DEVICE),
+                       torch.tensor([1, 0], dtype=torch.int32, device=DEVICE),
+                       torch.tensor([[2, -1], [0, -1]], dtype=torch.int32, device=DEVICE), P, PAGE, ring)
+    for name, a, b in zip(host._fields, host, dev):
+        assert b.device.type == torch.device(DEVICE).type and torch.equal(a, b.cpu()), name

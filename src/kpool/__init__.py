@@ -17,7 +17,7 @@ from .ops.logits import paged_pool_logits, ragged_pool_logits
 from .ops.topk import select_pools
 from .ops.score import paged_pool_topk
 from .cache import CacheCapacityError, KPoolCache, StepMetadata
-from .layout import decode_slot_mappings, prefill_plan
+from .planning import decode_slot_mappings, prefill_plan
 from .ops.prefill import write_prefill
 from .indexer import KPoolIndexer
 from . import _library  # noqa: F401  (registers torch.ops.kpool.*)

@@ -12,7 +12,7 @@ Addressing (what an engine must reproduce, see ``StepMetadata``):
 * token at position ``pos`` has ``tail_slot = block(r) * RING + pos % RING``, and
   ``slot_mapping = loc(pos // P)`` if ``(pos + 1) % P == 0`` else ``-1``.
 
-Steps are planned by ``layout.decode_slot_mappings`` / ``layout.prefill_plan`` over the whole
+Steps are planned by ``planning.decode_slot_mappings`` / ``planning.prefill_plan`` over the whole
 batch (the functions an engine with its own scheduler calls once per step for every layer).
 
 Scoring: ``topk_indices`` turns the last step's queries into the token indices sparse
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -32,14 +33,14 @@ from . import reference
 from ._backend import backend_for
 from ._checks import (check_bool, check_device_type, check_page_layout, check_positive_int, check_slot_count,
                       check_tensor, int_list, own_indices)
-from .layout import (ENTRY_BYTES, HEAD_DIM, concat_ranges, decode_slot_mappings, prefill_plan, read_entries,
-                     resolve_fp8_dtype, resolve_layout, ring_size)
+from .layout import ENTRY_BYTES, HEAD_DIM, read_entries, resolve_fp8_dtype, resolve_layout, ring_size
 from .ops.decode import kpool_decode_update_and_maybe_write_cache_batched
 from .ops.logits import check_heads
 from .ops.prefill import write_prefill
 from .ops.quant import quantize_queries, quantize_queries_and_counts
 from .ops.select import expand_pools_and_append_tail, visible_counts
 from .ops.score import paged_pool_topk
+from .planning import concat_ranges, decode_slot_mappings, prefill_plan
 
 LOGITS_BUDGET_ENV = "KPOOL_LOGITS_BUDGET_MB"
 DEFAULT_LOGITS_BUDGET_MB = 1024  # H200, prefill 8,192 queries x 8,192 / 32,768 pools: 256 MiB 6-9 / 28 ms
@@ -136,7 +137,7 @@ class KPoolCache:
         self.last_step: StepMetadata | None = None
         self._last_write: tuple | None = None  # (kind, device tables, tokens per request) of the last step
         self._steps = 0  # prefill / decode steps taken
-        self._layers: list = []  # [kv_cache, tail, steps written] of each layer_buffers() pair
+        self._layers: list = []  # [weakref(kv_cache), weakref(tail), steps written] of each layer_buffers() pair
 
     # ------------------------------------------------------------------ queries
     @property
@@ -235,12 +236,13 @@ class KPoolCache:
         cu = [0] + [b for _, b in bounds]  # the packed rows start at 0 (_pack)
         table = self._table(reqs)
         plan = prefill_plan(cu, starts, [r.block for r in reqs], table, self.pool_size, self.page_size, self.ring)
+        dev = self.device
+        write = ("prefill", (_upload(plan.pools, dev), _upload(plan.requests, dev)), lengths)
+        self._write_step(write, self.kv_cache, self.tail, key, gate, self.ape)
         for req, a, n in zip(reqs, starts, lengths):
             req.step_start, req.step_len, req.step_kind, req.length = a, n, "prefill", a + n
-        dev = self.device
-        self._last_write = ("prefill", (_upload(plan.pools, dev), _upload(plan.requests, dev)), lengths)
+        self._last_write = write
         self._steps += 1
-        self._write_step(self.kv_cache, self.tail, key, gate, self.ape)
         self.last_step = StepMetadata(
             "prefill", list(request_ids), _upload(plan.positions.to(torch.int32), dev), _upload(plan.slot_mapping, dev),
             _upload(plan.tail_slot_mapping, dev), _upload(table.to(torch.int32), dev),
@@ -257,6 +259,9 @@ class KPoolCache:
         key, gate, counts = self._step_rows(request_ids, keys, gates)
         if len(set(request_ids)) != len(request_ids):
             raise ValueError("request_ids must not repeat within a step")
+        if key.shape[1] > self.max_spec_tokens + 1:
+            raise ValueError(f"keys hold steps of {key.shape[1]} tokens; max_spec_tokens = {self.max_spec_tokens} "
+                             f"allows {self.max_spec_tokens + 1}")
         for rid, n in zip(request_ids, counts):
             self._get(rid)
             if n > self.max_spec_tokens + 1:
@@ -272,15 +277,16 @@ class KPoolCache:
             col >= torch.tensor(counts, dtype=i64)[:, None], -1)  # -1: rows of shorter lists
         slots, tslots = decode_slot_mappings(pos, torch.tensor([r.block for r in reqs], dtype=i64), table, p,
                                              self.page_size, self.ring)
-        grid = torch.stack((pos, slots, tslots))  # positions, slots, tail slots
+        # positions, slots, tail slots twice, one upload: the write's tables (replayed by write_layer)
+        # and the ones metadata() hands out, which a caller may change
+        grid = _upload(torch.stack((pos, slots, tslots)).repeat(2, 1, 1), self.device)
+        write = ("decode", (grid[2], grid[1], grid[0]), counts)
+        self._write_step(write, self.kv_cache, self.tail, key, gate, self.ape)
         for req, a, n in zip(reqs, starts, counts):
             req.step_start, req.step_len, req.step_kind, req.length = a, n, "decode", a + n
-        grid = _upload(grid, self.device)
-        positions, slot_mapping, tail_slots = grid[0].to(torch.int32), grid[1], grid[2]
-        self._last_write = ("decode", (tail_slots, slot_mapping, positions), counts)
+        self._last_write = write
         self._steps += 1
-        self._write_step(self.kv_cache, self.tail, key, gate, self.ape)
-        self.last_step = StepMetadata("decode", list(request_ids), positions, slot_mapping, tail_slots,
+        self.last_step = StepMetadata("decode", list(request_ids), grid[3].to(torch.int32), grid[4], grid[5],
                                       _upload(table.to(torch.int32), self.device))
         return self.last_step
 
@@ -293,8 +299,14 @@ class KPoolCache:
             raise ValueError(f"layer_buffers() while {len(self._requests)} requests are live: their tokens would be "
                              "missing from the new layer; allocate every layer's buffers before the first step")
         kv_cache, tail = torch.zeros_like(self.kv_cache), torch.zeros_like(self.tail)
-        self._layers.append([kv_cache, tail, self._steps])
+        # weak: buffers the caller drops are freed (and forgotten here)
+        self._layers = [entry for entry in self._layers if entry[0]() is not None]
+        self._layers.append([weakref.ref(kv_cache), weakref.ref(tail), self._steps])
         return kv_cache, tail
+
+    def _layer(self, kv_cache):
+        """The ``_layers`` entry of a ``layer_buffers()`` kv_cache, or None."""
+        return next((entry for entry in self._layers if entry[0]() is kv_cache), None)
 
     def write_layer(self, kv_cache, tail, keys, gates, ape) -> None:
         """Write the last ``prefill`` / ``decode`` step into another layer's buffers.
@@ -312,8 +324,8 @@ class KPoolCache:
         """
         if self._last_write is None:
             raise ValueError("write_layer replays the last prefill / decode step; there has been none")
-        layer = next((entry for entry in self._layers if entry[0] is kv_cache), None)
-        if layer is None or layer[1] is not tail:
+        layer = self._layer(kv_cache)
+        if layer is None or layer[1]() is not tail:
             raise ValueError("kv_cache / tail must be a pair from this cache's layer_buffers()")
         if layer[2] != self._steps - 1:
             what = "was already written" if layer[2] == self._steps else f"missed steps {layer[2] + 1}..{self._steps - 1}"
@@ -334,12 +346,12 @@ class KPoolCache:
             raise ValueError(f"keys / gates hold {given} tokens per request; the step wrote {counts}")
         for name, t in (("keys", keys), ("gates", gates)):
             check_tensor(name, t, dtype=torch.bfloat16, shape=want, device=self.device, inner_contiguous=True)
-        self._write_step(kv_cache, tail, keys, gates, ape)
+        self._write_step(self._last_write, kv_cache, tail, keys, gates, ape)
         layer[2] = self._steps
 
-    def _write_step(self, kv_cache, tail, key, gate, ape) -> None:
-        """The last step's write (``_last_write``'s tables) into ``kv_cache`` / ``tail``."""
-        kind, tables, _ = self._last_write
+    def _write_step(self, write, kv_cache, tail, key, gate, ape) -> None:
+        """A step's write (``write``: kind, device tables, tokens per request) into ``kv_cache`` / ``tail``."""
+        kind, tables, _ = write
         with own_indices():  # slots, pool rows and ring blocks the cache planned itself
             if kind == "prefill":
                 pools, requests = tables
@@ -410,7 +422,13 @@ class KPoolCache:
         check_tensor("weights", weights, dtype=torch.float32, shape=(total, heads), device=self.device)
         if kv_cache is None:
             kv_cache = self.kv_cache
-        check_tensor("kv_cache", kv_cache, dtype=torch.uint8, shape=tuple(self.kv_cache.shape), device=self.device)
+        elif kv_cache is not self.kv_cache:
+            layer = self._layer(kv_cache)
+            if layer is None:
+                raise ValueError("kv_cache must be this cache's or one from its layer_buffers()")
+            if layer[2] != self._steps:
+                raise ValueError(f"kv_cache has received {layer[2]} of the cache's {self._steps} steps: write_layer "
+                                 "every step into it before selecting from it")
         if total == 0:
             return torch.empty((0, width), dtype=torch.int32, device=self.device)
         q8, _, w = quantize_queries(q, weights, fp8_dtype=self.fp8_dtype, round_scale=self.round_scale)

@@ -7,7 +7,7 @@ every step each live request's pooled entries are compared byte for byte with th
 oracle of its committed tokens, and its ring with the tokens of its incomplete pool.
 
 A second layer's buffers follow the engine path: the same tokens written from each step's
-plan (``layout.prefill_plan`` + ``write_prefill``, ``layout.decode_slot_mappings`` + the decode
+plan (``planning.prefill_plan`` + ``write_prefill``, ``planning.decode_slot_mappings`` + the decode
 op) must stay byte-identical to the cache's, as every layer of a model shares one plan.
 """
 
@@ -25,9 +25,10 @@ from torch.nn.utils.rnn import pad_sequence
 from . import numerics, reference
 from ._backend import backend_for
 from .cache import KPoolCache
-from .layout import ENTRY_BYTES, HEAD_DIM, decode_slot_mappings, prefill_plan
+from .layout import ENTRY_BYTES, HEAD_DIM
 from .ops.decode import kpool_decode_update_and_maybe_write_cache_batched
 from .ops.prefill import write_prefill
+from .planning import decode_slot_mappings, prefill_plan
 
 
 class EngineLayer:

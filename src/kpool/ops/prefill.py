@@ -6,7 +6,7 @@ each, all slots read from the token rows); one program per request then complete
 pool the chunk started mid-way (its leading slots from the ring: the *head* pool), if the
 chunk completes it, and seeds the ring with the chunk's trailing tokens, in that order
 (a barrier between: the seeding may overwrite the ring slots the head pool reads). The pool
-programs touch no ring, so the two kinds need no ordering. ``layout.prefill_plan`` builds the
+programs touch no ring, so the two kinds need no ordering. ``planning.prefill_plan`` builds the
 tables (``KPoolCache.prefill`` uses it); their ranges are checked unless ``KPOOL_CHECK=0``,
 under graph capture or for the cache's own tables (a host read of both tables).
 """
@@ -75,7 +75,8 @@ def _prefill_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_b
 
 def _check_tables(pools, requests, tokens: int, p: int, num_slots: int, num_blocks: int) -> None:
     """Every row read is a token row or a slot of a listed ring block, every write a cache slot
-    below ``num_slots`` or a ring slot of a block below ``num_blocks`` (host read of both tables)."""
+    below ``num_slots`` or a ring slot of a block below ``num_blocks``, no slot written twice and no
+    ring block used by two requests (host read of both tables)."""
     def bad(name, mask, what):
         if bool(mask.any()):
             k = int(mask.nonzero()[0, 0])
@@ -96,6 +97,17 @@ def _check_tables(pools, requests, tokens: int, p: int, num_slots: int, num_bloc
     bad("requests", head & ((block < 0) | (head_pos < 0) | (head_row + head_ring < 0) | (head_row > tokens - p)),
         f"completes a head pool from rows outside the batch (T = {tokens}), a negative position or no ring block")
     bad("requests", head & (head_loc >= num_slots), f"writes a head pool outside the cache's {num_slots} slots")
+    # programs run concurrently: two writing one slot, or one seeding a ring another reads, race
+    uses_ring = (keep > 0) | head
+    _distinct("requests", block[uses_ring], "ring blocks of the requests that seed or read a ring")
+    _distinct("pools / requests", torch.cat((pl[:, 1][pl[:, 1] >= 0], head_loc[head & (head_loc >= 0)])),
+              "cache slots written")
+
+
+def _distinct(name, values, what) -> None:
+    uniq, counts = torch.unique(values, return_counts=True)
+    if bool((counts > 1).any()):
+        raise ValueError(f"{name}: {what} repeat: {uniq[counts > 1][:4].tolist()} (each must appear once)")
 
 
 def launch_options(device, pool_size: int) -> dict:
@@ -122,9 +134,11 @@ def write_prefill(kv_cache, tail, key, gate, ape, pools, requests, pool_size, *,
         of slot 0, position of slot 0, slots read from the ring — 0: none, flat cache slot)``.
     pool_size : P. ``layout`` / ``fp8_dtype``: platform defaults when None.
 
-    ``layout.prefill_plan`` builds ``pools`` and ``requests`` from per-request state. Writes
+    ``planning.prefill_plan`` builds ``pools`` and ``requests`` from per-request state. Writes
     only the slots in ``pools`` / the head pools and ring slots of the listed blocks; the
-    tables' ranges are checked (one host read) unless ``KPOOL_CHECK=0`` or under graph capture.
+    tables are checked (one host read: ranges, and written slots and used ring blocks each
+    listed once, since the programs run concurrently) unless ``KPOOL_CHECK=0`` or under graph
+    capture.
     """
     check_bool("round_scale", round_scale)
     check_pool_size(pool_size)
