@@ -468,31 +468,70 @@ def no_host_syncs():
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_cache_steps_queue_work_without_host_syncs(monkeypatch, backend):
-    """``prefill``, ``decode`` and ``topk_indices`` over several row groups (a small scoring
-    budget) queue their launches without waiting for the GPU: the indices they pass are the
-    cache's own (no range checks) and go up pinned and asynchronously (``cache._upload``). On
-    CUDA with the Triton kernels a synchronizing call raises; on either backend the rows and
-    the whole cache and ring bytes equal those of the same session run unguarded."""
+    """``prefill``, ``decode``, ``write_layer`` and ``topk_indices`` (of both layers) over several
+    row groups (a small scoring budget) queue their launches without waiting for the GPU: the
+    indices they pass are the cache's own (no range checks) and go up pinned and asynchronously
+    (``cache._upload``). On CUDA with the Triton kernels a synchronizing call raises; on either
+    backend the rows and the whole cache and ring bytes equal those of the same session run
+    unguarded."""
     monkeypatch.setenv("KPOOL_LOGITS_BUDGET_MB", str(400 / 2**20))  # many row groups, some padded
     monkeypatch.setenv("KPOOL_BACKEND", backend)
 
     def session(guard):
         run = Run(seed=11, num_pages=16)
+        kv1, tail1 = run.cache.layer_buffers()
         toks = [run.tokens(n) for n in (30, 25, 22)]
-        steps = [run.tokens(2) for _ in range(3)]
+        steps = torch.stack([torch.stack(run.tokens(2)) for _ in range(3)])  # [B, key / gate, 2, 128]
         q, w = run.queries(77)
         q2, w2 = run.queries(6)
+        rids, ks, gs = ["a", "b", "c"], [k for k, _ in toks], [g for _, g in toks]
+        ape1 = run.ape.flip(0)
         with guard():
-            run.cache.prefill(["a", "b", "c"], [k for k, _ in toks], [g for _, g in toks])
-            chunk = run.cache.topk_indices(["a", "b", "c"], q, w, index_topk=16)
-            run.cache.decode(["a", "b", "c"], torch.stack([k for k, _ in steps]), torch.stack([g for _, g in steps]))
-            step = run.cache.topk_indices(["a", "b", "c"], q2, w2, index_topk=16)
-        return chunk, step, run.cache.kv_cache, run.cache.tail.view(torch.uint8)  # rows, both whole buffers' bytes
+            run.cache.prefill(rids, ks, gs)
+            run.cache.write_layer(kv1, tail1, gs, ks, ape1)
+            chunk = run.cache.topk_indices(rids, q, w, index_topk=16)
+            chunk1 = run.cache.topk_indices(rids, q, w, index_topk=16, kv_cache=kv1)
+            run.cache.decode(rids, steps[:, 0], steps[:, 1])
+            run.cache.write_layer(kv1, tail1, steps[:, 1], steps[:, 0], ape1)
+            step = run.cache.topk_indices(rids, q2, w2, index_topk=16)
+            step1 = run.cache.topk_indices(rids, q2, w2, index_topk=16, kv_cache=kv1)
+        # rows, the whole buffers' bytes
+        return chunk, chunk1, step, step1, run.cache.kv_cache, run.cache.tail.view(torch.uint8), kv1, tail1
 
     want = session(contextlib.nullcontext)  # first: one-time set-up (e.g. the fp8 halves table) may sync
     guard = no_host_syncs if backend == "triton" else contextlib.nullcontext  # the torch oracle may sync
     for got, ref in zip(session(guard), want):
         assert torch.equal(got, ref)
+
+
+def test_decode_slot_mappings_on_the_device_without_host_syncs():
+    """An engine's per-step planning on its device: ``decode_slot_mappings`` of device tensors
+    waits for nothing (CUDA: a sync raises) and equals the host result; on CUDA it is also
+    captured in a graph and replayed with the next step's positions."""
+    from kpool import decode_slot_mappings
+    g = torch.Generator().manual_seed(5)
+    P, page, ring = 4, 16, 8
+    pos = torch.randint(-1, 700, (64, 4), generator=g, dtype=torch.int32)
+    blocks = torch.randperm(64, generator=g)
+    table = torch.randint(-1, 50, (64, 12), generator=g, dtype=torch.int32)
+    args = [t.to(DEVICE) for t in (pos, blocks, table)]
+    with no_host_syncs():
+        got = decode_slot_mappings(*args, P, page, ring)
+    want = decode_slot_mappings(pos, blocks, table, P, page, ring)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want))
+    if DEVICE == "cuda":
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            decode_slot_mappings(*args, P, page, ring)  # warm-up outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = decode_slot_mappings(*args, P, page, ring)
+        args[0].copy_(torch.where(pos >= 0, pos + 3, pos).to(DEVICE))
+        graph.replay()
+        want = decode_slot_mappings(torch.where(pos >= 0, pos + 3, pos), blocks, table, P, page, ring)
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(captured, want))
 
 
 def test_own_indices_skips_range_checks_only_inside():
