@@ -12,8 +12,9 @@ Addressing (what an engine must reproduce, see ``StepMetadata``):
 * token at position ``pos`` has ``tail_slot = block(r) * RING + pos % RING``, and
   ``slot_mapping = loc(pos // P)`` if ``(pos + 1) % P == 0`` else ``-1``.
 
-Steps are planned by ``planning.decode_slot_mappings`` / ``planning.prefill_plan`` over the whole
-batch (the functions an engine with its own scheduler calls once per step for every layer).
+Steps are planned over the whole batch by ``planning``'s functions, which an engine with its
+own scheduler calls once per step for every layer (``decode_slot_mappings``, here without its
+argument checks: ``slot_mappings``; ``prefill_plan``).
 
 Scoring: ``topk_indices`` turns the last step's queries into the token indices sparse
 attention reads (pools ``j < (pos + 1) // P`` of the request, scoring scratch chunked under
@@ -40,7 +41,7 @@ from .ops.prefill import write_prefill
 from .ops.quant import quantize_queries, quantize_queries_and_counts
 from .ops.select import expand_pools_and_append_tail, visible_counts
 from .ops.score import paged_pool_topk
-from .planning import concat_ranges, decode_slot_mappings, prefill_plan
+from .planning import concat_ranges, prefill_plan, slot_mappings
 
 LOGITS_BUDGET_ENV = "KPOOL_LOGITS_BUDGET_MB"
 DEFAULT_LOGITS_BUDGET_MB = 1024  # H200, prefill 8,192 queries x 8,192 / 32,768 pools: 256 MiB 6-9 / 28 ms
@@ -275,11 +276,11 @@ class KPoolCache:
         col = torch.arange(width, dtype=i64)
         pos = (torch.tensor(starts, dtype=i64)[:, None] + col).masked_fill_(
             col >= torch.tensor(counts, dtype=i64)[:, None], -1)  # -1: rows of shorter lists
-        slots, tslots = decode_slot_mappings(pos, torch.tensor([r.block for r in reqs], dtype=i64), table, p,
-                                             self.page_size, self.ring)
+        slots, tslots = slot_mappings(pos, torch.tensor([r.block for r in reqs], dtype=i64), table, p,
+                                      self.page_size, self.ring)
         # positions, slots, tail slots twice, one upload: the write's tables (replayed by write_layer)
         # and the ones metadata() hands out, which a caller may change
-        grid = _upload(torch.stack((pos, slots, tslots)).repeat(2, 1, 1), self.device)
+        grid = _upload(torch.stack((pos, slots, tslots) * 2), self.device)
         write = ("decode", (grid[2], grid[1], grid[0]), counts)
         self._write_step(write, self.kv_cache, self.tail, key, gate, self.ape)
         for req, a, n in zip(reqs, starts, counts):

@@ -58,11 +58,16 @@ def decode_slot_mappings(positions: torch.Tensor, ring_blocks: torch.Tensor, pag
     for name, t in (("ring_blocks", ring_blocks), ("page_table", page_table)):
         if t.device != positions.device:
             raise ValueError(f"{name} is on {t.device}, positions on {positions.device}: pass them on one device")
+    if positions.device.type == "cpu" and not torch.compiler.is_compiling() \
+            and bool(((positions >= 0) & (ring_blocks[:, None] < 0)).any()):
+        raise ValueError("ring_blocks has a negative block for a request with live positions")
+    return slot_mappings(positions, ring_blocks, page_table, pool_size, page_size, ring)
+
+
+def slot_mappings(positions, ring_blocks, page_table, pool_size: int, page_size: int, ring: int) -> tuple:
+    """``decode_slot_mappings`` without its argument checks (``KPoolCache`` builds valid ones)."""
     pos = positions.to(torch.int64)
     live = pos >= 0
-    if pos.device.type == "cpu" and not torch.compiler.is_compiling() \
-            and bool((live & (ring_blocks[:, None] < 0)).any()):
-        raise ValueError("ring_blocks has a negative block for a request with live positions")
     pool = pos.clamp(min=0) // pool_size
     col = pool // page_size
     page = page_table.to(torch.int64).gather(1, col.clamp(max=page_table.shape[1] - 1))
