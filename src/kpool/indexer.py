@@ -22,6 +22,7 @@ verify), then returns ``KPoolCache.topk_indices`` for the step's tokens.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -178,9 +179,7 @@ class KPoolIndexer(nn.Module):
                     raise ValueError("prefill of several requests needs cu_seqlens")
                 cu_seqlens = [0, hidden_states.shape[0]]
             q, k, weights, gate = self.project(hidden_states, q_resid)
-            if layer is None:
-                with self._pooling_ape(cache):
-                    cache.prefill(request_ids, k, gate, cu_seqlens=cu_seqlens)
+            take_step = functools.partial(cache.prefill, request_ids, k, gate, cu_seqlens=cu_seqlens)
         else:
             if cu_seqlens is not None:
                 raise ValueError("cu_seqlens is for mode='prefill'; decode takes [B, next_n, hidden]")
@@ -191,11 +190,12 @@ class KPoolIndexer(nn.Module):
             batch, next_n = h3.shape[:2]
             q, k, weights, gate = self.project(h3.reshape(batch * next_n, -1), q_resid.reshape(batch * next_n, -1))
             k, gate = k.view(batch, next_n, HEAD_DIM), gate.view(batch, next_n, HEAD_DIM)
-            if layer is None:
-                with self._pooling_ape(cache):
-                    cache.decode(request_ids, k, gate)
-        kv_cache = None
-        if layer is not None:
+            take_step = functools.partial(cache.decode, request_ids, k, gate)
+        if layer is None:  # the planning layer
+            with self._pooling_ape(cache):
+                take_step()
+            kv_cache = None
+        else:
             kv_cache, tail = layer
             last = cache.metadata()
             if last is None or last.kind != mode or last.request_ids != request_ids:
