@@ -596,11 +596,11 @@ def _valid_args(device, P=4, ring=8, page=32, B=2, n=3):
     def ints(rows):
         return torch.nn.functional.pad(torch.tensor(rows), (0, max(n - 3, 0)), value=-1)[:B, :n].to(device)
 
-    ts = ints([[0, 1, 2], [8, 9, -1]])
     key = torch.zeros((B, n, D), dtype=torch.bfloat16, device=device)
     ape = torch.zeros((P, D), dtype=torch.float32, device=device)
     loc = ints([[-1, -1, -1], [-1, 5, -1]])
     pos = ints([[0, 1, 2], [2, 3, -1]])
+    ts = torch.where(pos >= 0, torch.tensor([[0], [1]], device=device)[:B] * ring + pos % ring, -1)  # blocks 0, 1
     return dict(kv_cache=kv, tail_kv_cache=tail, tail_slot_mapping=ts, key=key, slot_score=key.clone(), ape=ape,
                 slot_mapping=loc, positions=pos, pool_size=P)
 
@@ -666,6 +666,10 @@ BAD = [
     ("tail_slot_mapping-out-of-range", lambda a, dv: {"tail_slot_mapping": torch.tensor([[0, 1, 2], [24, 9, -1]],
                                                                                         device=dv)},
      ValueError, "tail_slot_mapping"),
+    # built with RING = 4 for a tail of RING = 8: request 1's tokens would land in block 0
+    ("tail_slot_mapping-other-ring", lambda a, dv: {"tail_slot_mapping": torch.tensor([[0, 1, 2], [6, 7, -1]],
+                                                                                      device=dv)},
+     ValueError, r"tail_slot_mapping\[1, 0\] = 6 for position 2: not block \* RING \+ pos % RING"),
     ("preshuffle-page24", lambda a, dv: {"kv_cache": torch.zeros((4, 24, 132), dtype=torch.uint8, device=dv),
                                          "layout": "preshuffle"}, ValueError, "preshuffle"),
     ("head_dim", lambda a, dv: {"head_dim": 64}, ValueError, "head_dim"),

@@ -160,3 +160,15 @@ def test_plan_rejects_bad_input():
                        torch.tensor([[2, -1], [0, -1]], dtype=torch.int32, device=DEVICE), P, PAGE, ring)
     for name, a, b in zip(host._fields, host, dev):
         assert b.device.type == torch.device(DEVICE).type and torch.equal(a, b.cpu()), name
+
+
+def test_requests_without_a_ring_may_repeat_block_minus_one(backend):
+    """``block < 0`` means no ring: several such rows seed nothing and are not a repeat."""
+    kv, tail, key, gate, ape, plan = _batch()
+    requests = plan.requests.clone()
+    requests[:, 2] = -1
+    requests[1, 4:] = torch.tensor([0, 0, 0, -1])  # and no head pool (it would read a ring)
+    tail0 = tail.clone()
+    write_prefill(kv, tail, key, gate, ape, plan.pools.to(DEVICE), requests.to(DEVICE), P, layout="plain",
+                  fp8_dtype=torch.float8_e4m3fn)
+    assert_bytes_equal(tail, tail0, "tail")

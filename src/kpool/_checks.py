@@ -187,3 +187,16 @@ def check_index_range(name: str, t: torch.Tensor, upper: int, what: str) -> None
         top = int(t.max())
         if top >= upper:
             raise ValueError(f"{name} holds {top}, outside the {what} (valid: 0..{upper - 1}, negative = padding)")
+
+
+def check_ring_slots(name: str, tail_slots: torch.Tensor, positions: torch.Tensor, ring: int) -> None:
+    """A live token's ring slot must be ``block * RING + pos % RING`` (SPEC §3): a mapping built
+    with another ring size addresses other requests' blocks. One read-back, as ``check_index_range``."""
+    if tail_slots.numel() and range_checks_enabled():
+        off = (tail_slots >= 0) & (positions >= 0) & (tail_slots % ring != positions % ring)
+        if bool(off.any()):
+            k = off.nonzero()[0].tolist()
+            raise ValueError(f"{name}{k} = {int(tail_slots[tuple(k)])} for position {int(positions[tuple(k)])}: "
+                             f"not block * RING + pos % RING with the tail's RING = {ring} (built for another ring "
+                             "size?)")
+

@@ -98,7 +98,7 @@ def _check_tables(pools, requests, tokens: int, p: int, num_slots: int, num_bloc
         f"completes a head pool from rows outside the batch (T = {tokens}), a negative position or no ring block")
     bad("requests", head & (head_loc >= num_slots), f"writes a head pool outside the cache's {num_slots} slots")
     # programs run concurrently: two writing one slot, or one seeding a ring another reads, race
-    uses_ring = (keep > 0) | head
+    uses_ring = ((keep > 0) | head) & (block >= 0)  # block < 0: no ring (a head pool without one raised above)
     _distinct("requests", block[uses_ring], "ring blocks of the requests that seed or read a ring")
     _distinct("pools / requests", torch.cat((pl[:, 1][pl[:, 1] >= 0], head_loc[head & (head_loc >= 0)])),
               "cache slots written")
