@@ -396,7 +396,8 @@ class KPoolCache:
         weights : fp32 ``[T, H]`` raw head weights (``weights_proj`` output in fp32).
         index_topk : tokens to select (2048 for GLM-5.3-Flash); ``index_topk >= P``.
         width : output columns, default ``index_topk + P - 1`` (e.g. 2176 = rounded up to 128).
-        kv_cache : another layer's pooled cache written by ``write_layer`` (default: this cache's).
+        kv_cache : another layer's pooled cache from ``layer_buffers()``, written by ``write_layer``
+            up to the last step (default: this cache's); any other tensor raises.
 
         Returns
         -------
