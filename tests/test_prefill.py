@@ -73,17 +73,25 @@ BAD = [  # (table, row, column, value, message)
 ]
 
 
-@pytest.mark.parametrize("table, row, col, value, message", BAD)
-def test_bad_tables_raise_and_write_nothing(backend, table, row, col, value, message):
+def _rejected(edit, message):
+    """``_batch``'s tables after ``edit(tables)`` (``{"pools": .., "requests": ..}``, copies):
+    ``write_prefill`` raises ``message`` and changes no byte of ``kv_cache`` / ``tail``."""
     kv, tail, key, gate, ape, plan = _batch()
-    pools, requests = plan.pools.clone(), plan.requests.clone()
-    {"pools": pools, "requests": requests}[table][row, col] = value
+    tables = {"pools": plan.pools.clone(), "requests": plan.requests.clone()}
+    edit(tables)
     kv0, tail0 = kv.clone(), tail.clone()
-    with pytest.raises(ValueError, match=f"{table} row {row} .*{message}|{table} row {row} {message}"):
-        write_prefill(kv, tail, key, gate, ape, pools.to(DEVICE), requests.to(DEVICE), P, layout="plain",
-                      fp8_dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=message):
+        write_prefill(kv, tail, key, gate, ape, tables["pools"].to(DEVICE), tables["requests"].to(DEVICE), P,
+                      layout="plain", fp8_dtype=torch.float8_e4m3fn)
     assert_bytes_equal(kv, kv0, "kv_cache")
     assert_bytes_equal(tail, tail0, "tail")
+
+
+@pytest.mark.parametrize("table, row, col, value, message", BAD)
+def test_bad_tables_raise_and_write_nothing(backend, table, row, col, value, message):
+    def edit(tables):
+        tables[table][row, col] = value
+    _rejected(edit, f"{table} row {row} .*{message}|{table} row {row} {message}")
 
 
 def test_argument_errors():
@@ -126,16 +134,11 @@ def test_plan_rejects_inconsistent_state():
 def test_racing_tables_raise_and_write_nothing(backend, table, row, col, source, message):
     """Programs run concurrently: a slot written by two of them, or one request seeding the ring
     another reads, raises instead of leaving bytes that depend on their order."""
-    kv, tail, key, gate, ape, plan = _batch()
-    tables = {"pools": plan.pools.clone(), "requests": plan.requests.clone()}
     src_table, src_row, src_col = source
-    tables[table][row, col] = tables[src_table][src_row, src_col]
-    kv0, tail0 = kv.clone(), tail.clone()
-    with pytest.raises(ValueError, match=message):
-        write_prefill(kv, tail, key, gate, ape, tables["pools"].to(DEVICE), tables["requests"].to(DEVICE), P,
-                      layout="plain", fp8_dtype=torch.float8_e4m3fn)
-    assert_bytes_equal(kv, kv0, "kv_cache")
-    assert_bytes_equal(tail, tail0, "tail")
+
+    def edit(tables):
+        tables[table][row, col] = tables[src_table][src_row, src_col]
+    _rejected(edit, message)
 
 
 def test_plan_rejects_bad_input():
