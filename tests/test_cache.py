@@ -1064,6 +1064,9 @@ def test_layer_guards_and_failed_steps(backend):
     with pytest.raises(ValueError, match="allows 2"):  # an empty batch of 3-token steps: nothing planned
         planner.decode([], torch.zeros(0, 3, D, dtype=torch.bfloat16, device=DEVICE),
                        torch.zeros(0, 3, D, dtype=torch.bfloat16, device=DEVICE))
+    k3, g3 = toks(3)
+    with pytest.raises(ValueError, match="request 'a' sends 3 tokens in one step; max_spec_tokens = 1 allows 2"):
+        planner.decode(["a"], [k3], [g3])
     real_write = planner._write_step
 
     def failing(*args):
