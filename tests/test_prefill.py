@@ -172,6 +172,10 @@ def test_requests_without_a_ring_may_repeat_block_minus_one(backend):
     requests[:, 2] = -1
     requests[1, 4:] = torch.tensor([0, 0, 0, -1])  # and no head pool (it would read a ring)
     tail0 = tail.clone()
+    kv_ref = kv.cpu().clone()
+    reference.write_prefill(kv_ref, tail0.cpu().clone(), key.cpu(), gate.cpu(), ape.cpu(), plan.pools, requests, P,
+                            torch.float8_e4m3fn, "plain")
     write_prefill(kv, tail, key, gate, ape, plan.pools.to(DEVICE), requests.to(DEVICE), P, layout="plain",
                   fp8_dtype=torch.float8_e4m3fn)
+    assert_bytes_equal(kv.cpu(), kv_ref, "kv_cache")
     assert_bytes_equal(tail, tail0, "tail")
