@@ -19,6 +19,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.overrides import TorchFunctionMode
 
 from _util import TAIL_OVERLAP_CASES, assert_bytes_equal, make_tail, random_bytes_like, strided_copy, view_tail
 from kpool import kpool_compress_and_write_cache, kpool_decode_update_and_maybe_write_cache_batched
@@ -691,6 +692,43 @@ def test_decode_rejects(bad, backend, device):
     after = [t for t in (args["kv_cache"], args["tail_kv_cache"]) if t.device.type != "meta"]
     for b, t in zip(bufs, after):
         assert_bytes_equal(t, b, "buffer after a rejected call")
+
+
+class _ReadBacks(TorchFunctionMode):
+    """Counts the tensor -> host reads (``tolist``, ``item``, ``bool``/``int`` of a tensor) made inside it."""
+    READS = {"tolist", "item", "__bool__", "__int__", "__index__", "__float__"}
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.READS:
+            self.reads.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("bad", [None, "slot_mapping-out-of-range", "tail_slot_mapping-out-of-range",
+                                 "tail_slot_mapping-other-ring"])
+def test_value_checks_read_back_once(bad, device, monkeypatch):
+    """The slot ranges and the ring-slot rule cost the host one read-back together (three syncs
+    before): counted up to the write, which is stubbed out."""
+    import kpool.ops.decode as decode_module
+    monkeypatch.setenv("KPOOL_BACKEND", "torch")
+    writes = []
+    monkeypatch.setattr(decode_module.reference, "decode_update", lambda *a, **k: writes.append(a))
+    args = _valid_args(device)
+    if bad is not None:
+        args.update(next(case for case in BAD if case[0] == bad)[1](args, device))
+    with _ReadBacks() as mode:
+        if bad is None:
+            decode_update(**args)
+        else:
+            with pytest.raises(ValueError, match="tail_slot_mapping" if "tail" in bad else "slot_mapping"):
+                decode_update(**args)
+    # a valid call: that one read; a bad one: found by it (the message then reads the offending entry)
+    assert (mode.reads if bad is None else mode.reads[:1]) == ["tolist"], mode.reads
+    assert len(writes) == (bad is None)
 
 
 def test_valid_args_accepted(backend, device):

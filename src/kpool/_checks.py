@@ -183,20 +183,30 @@ def range_checks_enabled() -> bool:
 
 def check_index_range(name: str, t: torch.Tensor, upper: int, what: str) -> None:
     """Every non-negative entry of ``t`` must be ``< upper`` (negatives are padding)."""
-    if t.numel() and range_checks_enabled():
-        top = int(t.max())
+    check_index_ranges([(name, t, upper, what)])
+
+
+def check_index_ranges(ranges, ring_slots=None) -> None:
+    """``check_index_range`` of each ``(name, t, upper, what)`` in ``ranges`` and, with
+    ``ring_slots = (name, tail_slots, positions, ring)``, the ring-slot rule: a live token's
+    ring slot must be ``block * RING + pos % RING`` (SPEC §3; a mapping built with another
+    ring size addresses other requests' blocks). One read-back for all; errors in that order."""
+    ranges = [r for r in ranges if r[1].numel()]
+    live = ring_slots is not None and ring_slots[1].numel() > 0
+    if not (ranges or live) or not range_checks_enabled():
+        return
+    stats = [r[1].max().to(torch.int64) for r in ranges]
+    if live:
+        _, tail_slots, positions, ring = ring_slots
+        off = (tail_slots >= 0) & (positions >= 0) & (tail_slots % ring != positions % ring)
+        stats.append(off.any().to(torch.int64))
+    values = torch.stack(stats).tolist()
+    for (name, _, upper, what), top in zip(ranges, values):
         if top >= upper:
             raise ValueError(f"{name} holds {top}, outside the {what} (valid: 0..{upper - 1}, negative = padding)")
-
-
-def check_ring_slots(name: str, tail_slots: torch.Tensor, positions: torch.Tensor, ring: int) -> None:
-    """A live token's ring slot must be ``block * RING + pos % RING`` (SPEC §3): a mapping built
-    with another ring size addresses other requests' blocks. One read-back, as ``check_index_range``."""
-    if tail_slots.numel() and range_checks_enabled():
-        off = (tail_slots >= 0) & (positions >= 0) & (tail_slots % ring != positions % ring)
-        if bool(off.any()):
-            k = off.nonzero()[0].tolist()
-            raise ValueError(f"{name}{k} = {int(tail_slots[tuple(k)])} for position {int(positions[tuple(k)])}: "
-                             f"not block * RING + pos % RING with the tail's RING = {ring} (built for another ring "
-                             "size?)")
-
+    if live and values[-1]:
+        name = ring_slots[0]
+        k = off.nonzero()[0].tolist()
+        raise ValueError(f"{name}{k} = {int(tail_slots[tuple(k)])} for position {int(positions[tuple(k)])}: "
+                         f"not block * RING + pos % RING with the tail's RING = {ring} (built for another ring "
+                         "size?)")

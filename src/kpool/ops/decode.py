@@ -21,8 +21,8 @@ import triton.language as tl
 
 from .. import reference
 from .._backend import backend_for, native_fp8, pdl_launch, row_select
-from .._checks import (INT_DTYPES, check_bool, check_head_dim, check_index_range, check_kv_cache,
-                       check_pool_size, check_ring_slots, check_tail, check_tensor)
+from .._checks import (INT_DTYPES, check_bool, check_head_dim, check_index_ranges, check_kv_cache,
+                       check_pool_size, check_tail, check_tensor)
 from ..layout import HEAD_DIM, fp8_max, resolve_fp8_dtype
 from . import _jit, _pdl
 
@@ -199,9 +199,9 @@ def kpool_decode_update_and_maybe_write_cache_batched(kv_cache, tail_kv_cache, t
                          f"({next_n - 1} speculative): RING >= P + next_n - 1 = {pool_size + next_n - 1} keeps the "
                          "committed ring entries that a redo after rejected drafts needs (RING = P only without "
                          "speculation)")
-    check_index_range("slot_mapping", slot_mapping, kv_cache.shape[0] * kv_cache.shape[1], "cache slots")
-    check_index_range("tail_slot_mapping", tail_slot_mapping, tail_kv_cache.shape[0] * ring, "tail ring slots")
-    check_ring_slots("tail_slot_mapping", tail_slot_mapping, positions, ring)
+    check_index_ranges([("slot_mapping", slot_mapping, kv_cache.shape[0] * kv_cache.shape[1], "cache slots"),
+                        ("tail_slot_mapping", tail_slot_mapping, tail_kv_cache.shape[0] * ring, "tail ring slots")],
+                       ring_slots=("tail_slot_mapping", tail_slot_mapping, positions, ring))
     if num_req == 0 or next_n == 0:
         return None
     if backend_for(device) == "torch":
