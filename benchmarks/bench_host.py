@@ -2,6 +2,8 @@
 """Host time of ``KPoolCache`` steps: what the CPU spends planning a step before it returns.
 
     python benchmarks/bench_host.py [--quick] [--out results/host_cpu.json] [--readme README.md]
+    python benchmarks/bench_host.py --from results/host_h200.json --readme README.md
+    TRITON_INTERPRET=1 KPOOL_BACKEND=triton python benchmarks/bench_host.py --stub launches --only "B=1 "
 
 A serving engine calls ``prefill`` / ``decode`` + ``accept`` / ``topk_indices`` once per
 layer and step, on the thread that launches the model's kernels: the bookkeeping (slot
@@ -23,7 +25,9 @@ stream is synchronized before each call, never inside it). Off the GPU the kerne
 run synchronously on the CPU, so their entry points in ``kpool.cache`` are replaced by
 stubs that only allocate their outputs (``"kernels": "stubbed"`` in the JSON): the time is
 the planning alone. The JSON records the machine, versions and commit; ``--readme``
-rewrites the README's table between ``<!-- host:start -->`` and ``<!-- host:end -->``.
+rewrites the README's table between ``<!-- host:start -->`` and ``<!-- host:end -->`` (stubbed
+kernels) or ``<!-- host-gpu:start -->`` and ``<!-- host-gpu:end -->`` (a GPU run); ``--from``
+renders a stored JSON (e.g. one a device run wrote) instead of measuring.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import re
 import statistics
@@ -55,6 +60,16 @@ from harness import _quantile, git_info  # noqa: E402
 
 P, PAGE, SPEC, HEADS, INDEX_TOPK = 4, 64, 3, 32, 2048
 START, END = "<!-- host:start -->", "<!-- host:end -->"
+GPU_START, GPU_END = "<!-- host-gpu:start -->", "<!-- host-gpu:end -->"
+
+
+def markers(doc: dict) -> tuple[str, str]:
+    """The README section of a run: the CPU one (kernels stubbed) or the GPU one."""
+    sections = {"stubbed": (START, END), "real": (GPU_START, GPU_END)}
+    kernels = doc["environment"]["kernels"]
+    if kernels not in sections:
+        raise SystemExit(f"a run with kernels {kernels!r} has no README section (it is for A/Bs)")
+    return sections[kernels]
 
 
 def cases(quick: bool) -> list[dict]:
@@ -83,10 +98,7 @@ def label(case: dict) -> str:
 def stubs() -> dict:
     """Stand-ins for the kernel entry points ``kpool.cache`` calls (CPU runs): each only
     allocates its outputs. ``main`` installs them as attributes of ``kpool.cache``."""
-    def write_prefill(*args, **kwargs):
-        return None
-
-    def decode_update(*args, **kwargs):
+    def launch(*args, **kwargs):
         return None
 
     def quantize_queries(q, weights, **kwargs):
@@ -98,9 +110,19 @@ def stubs() -> dict:
     def expand(ids, seq_lens, pool_size, *, width):
         return torch.empty((ids.shape[0], width), dtype=torch.int32)
 
-    return {"write_prefill": write_prefill, "kpool_decode_update_and_maybe_write_cache_batched": decode_update,
+    return {"launch_prefill": launch, "launch_decode_update": launch,
             "quantize_queries": quantize_queries, "score_and_select_quantized": score_and_select_quantized,
             "expand_pools_and_append_tail": expand}
+
+
+def stub_launches() -> None:
+    """Every Triton kernel launch returns at once (CPU, Triton's interpreter): the ops run their
+    checks and launch set-up, no kernel. The outputs hold whatever ``torch.empty`` gave."""
+    from kpool import _interpreter
+    from triton.runtime.interpreter import InterpretedFunction
+    if os.environ.get("KPOOL_BACKEND") != "triton" or not _interpreter.ensure_exact_downcasts():
+        raise SystemExit("--stub launches runs under TRITON_INTERPRET=1 KPOOL_BACKEND=triton")
+    InterpretedFunction.run = lambda self, *args, **kwargs: None
 
 
 def _sync(device):
@@ -190,7 +212,7 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def environment(device, stubbed: bool) -> dict:
+def environment(device, kernels: str) -> dict:
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -199,7 +221,7 @@ def environment(device, stubbed: bool) -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "triton": triton.__version__,
-        "kernels": "stubbed" if stubbed else "real",
+        "kernels": kernels,
         "git": git_info(),
     }
 
@@ -216,13 +238,14 @@ def table(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def write_readme(path: Path, text: str) -> None:
+def write_readme(path: Path, doc: dict) -> None:
+    start, end = markers(doc)
     body = path.read_text()
-    if START not in body or END not in body:
-        raise SystemExit(f"{path} has no {START} ... {END} section")
-    head, rest = body.split(START, 1)
-    _, tail = rest.split(END, 1)
-    path.write_text(f"{head}{START}\n{text}\n{END}{tail}")
+    if start not in body or end not in body:
+        raise SystemExit(f"{path} has no {start} ... {end} section")
+    head, rest = body.split(start, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(f"{head}{start}\n{table(doc)}\n{end}{tail}")
 
 
 def main(argv=None) -> int:
@@ -234,12 +257,25 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--out", default=None, help="write the JSON here")
     ap.add_argument("--readme", default=None, help="rewrite this README's host-time section from the run")
+    ap.add_argument("--stub", choices=("ops", "launches"), default="ops",
+                    help="off the GPU: replace the cache's kernel entry points (the planning alone: the README's table), "
+                         "or only Triton's launches (the ops' checks and launch set-up too; needs TRITON_INTERPRET=1 "
+                         "KPOOL_BACKEND=triton, for A/Bs of the host path)")
+    ap.add_argument("--from", dest="source", default=None, help="render this stored JSON (with --readme), measure nothing")
     args = ap.parse_args(argv)
+    if args.source:
+        if not args.readme:
+            ap.error("--from needs --readme")
+        doc = dict(json.loads(Path(args.source).read_text()), path=args.source)  # the header names that file
+        write_readme(Path(args.readme), doc)
+        return 0
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    stubbed = device.type != "cuda"
-    if stubbed:
+    kernels = "real" if device.type == "cuda" else {"ops": "stubbed", "launches": "launches stubbed"}[args.stub]
+    if kernels == "stubbed":
         for name, fn in stubs().items():
             setattr(cache_mod, name, fn)
+    elif kernels == "launches stubbed":
+        stub_launches()
     chosen = [c for c in cases(args.quick) if not args.only or re.search(args.only, label(c))]
     times = {label(c): [] for c in chosen}
     for r in range(args.rounds):  # rounds over all cases: a slow spell of the machine hits them all
@@ -251,11 +287,11 @@ def main(argv=None) -> int:
                       f"p80 {_quantile(us, 0.8):.0f})", flush=True)
     records = [dict(c, label=label(c), us=statistics.median(times[label(c)]), p20_us=_quantile(times[label(c)], 0.2),
                     p80_us=_quantile(times[label(c)], 0.8), reps=len(times[label(c)])) for c in chosen]
-    doc = {"environment": environment(device, stubbed), "records": records, "path": args.out or "-"}
+    doc = {"environment": environment(device, kernels), "records": records, "path": args.out or "-"}
     if args.out:
         Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
     if args.readme:
-        write_readme(Path(args.readme), table(doc))
+        write_readme(Path(args.readme), doc)
     return 0
 
 

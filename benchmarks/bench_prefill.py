@@ -35,8 +35,8 @@ TITLE = "prefill write (token-major)"
 PAGE = 64
 HEAD = 128
 FP8 = torch.float8_e4m3fn
-HOOK = ("bench_prefill._ours_fn: times write_prefill (the launch of KPoolCache.prefill); update it if "
-        "KPoolCache.prefill's write changes")
+HOOK = ("bench_prefill._ours_fn: times write_prefill (its kernel, launch_prefill, is KPoolCache.prefill's write); "
+        "update it if KPoolCache.prefill's write changes")
 
 
 def cases(mode):
@@ -106,7 +106,8 @@ def make_inputs(ctx, r, t, p, num_pages, i):
 
 
 def _ours_fn(md, p):
-    """HOOK: the prefill write of ``KPoolCache.prefill`` (one launch)."""
+    """HOOK: the prefill write of ``KPoolCache.prefill`` (one launch: the checks of ``write_prefill``
+    read nothing back under graph capture, so the replay times ``launch_prefill``'s kernel)."""
     from kpool.ops.prefill import write_prefill
     pools, requests = md["pools"], md["requests"]
 

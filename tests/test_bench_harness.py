@@ -13,6 +13,7 @@ import json
 import pytest
 
 from kpool import bench
+from kpool._backend import interpreting
 from kpool.layout import ring_size
 
 BENCH_DIR = bench.find_bench_dir()
@@ -279,13 +280,42 @@ def test_bench_host_runs_and_renders(tmp_path, monkeypatch):
     assert "old" not in text and text.endswith("<!-- host:end -->\ntail\n") and "| topk_indices B=1" in text
 
 
-def test_committed_host_table_matches_its_json():
-    """The README's host-time block is what ``results/host_cpu.json`` renders to."""
+@pytest.mark.parametrize("name", ["host_cpu.json", "host_h200.json"])
+def test_committed_host_tables_match_their_json(name, tmp_path):
+    """The README's host-time blocks (kernels stubbed; real, on the H200) are what
+    ``results/host_*.json`` render to, as ``bench_host.py --from`` writes them."""
     bh = _load("bench_host")
-    doc = json.loads((BENCH_DIR / "results" / "host_cpu.json").read_text())
+    source = f"benchmarks/results/{name}"
+    doc = dict(json.loads((BENCH_DIR / "results" / name).read_text()), path=source)
+    start, end = bh.markers(doc)
+    assert (start, end) == ((bh.START, bh.END) if name == "host_cpu.json" else (bh.GPU_START, bh.GPU_END))
     text = (BENCH_DIR.parent / "README.md").read_text()
-    block = text[text.index(bh.START) + len(bh.START) + 1:text.index(bh.END) - 1]
-    assert block == bh.table(doc), "README.md's host-time table is stale: rerun bench_host.py --readme README.md"
+    block = text[text.index(start) + len(start) + 1:text.index(end) - 1]
+    assert block == bh.table(doc), f"README.md's host-time table is stale: rerun bench_host.py --from {source}"
+    readme = tmp_path / "README.md"
+    readme.write_text(f"a\n{start}\nold\n{end}\nb\n")
+    assert bh.main(["--from", str(BENCH_DIR / "results" / name), "--readme", str(readme)]) == 0
+    assert readme.read_text() == f"a\n{start}\n{bh.table(dict(doc, path=str(BENCH_DIR / 'results' / name)))}\n{end}\nb\n"
+
+
+def test_bench_host_stubs_only_the_launches(monkeypatch):
+    """``--stub launches``: the ops' host work runs, Triton's launches return at once (CPU,
+    interpreter; the launcher is restored after the test); without the interpreter it refuses."""
+    from triton.runtime import interpreter
+    bh = _load("bench_host")
+    monkeypatch.setattr(interpreter.InterpretedFunction, "run", interpreter.InterpretedFunction.run)
+    monkeypatch.setenv("KPOOL_BACKEND", "triton")
+    args = ["--stub", "launches", "--device", "cpu", "--reps", "1", "--rounds", "1", "--only", "write_layer B=1 "]
+    if not interpreting():
+        with pytest.raises(SystemExit, match="TRITON_INTERPRET=1"):
+            bh.main(args)
+        return
+    calls = []
+    monkeypatch.setattr(bh, "measure", lambda case, device, reps: calls.append(case["op"]) or [1.0])
+    assert bh.main(args) == 0 and calls == ["write_layer"]
+    assert interpreter.InterpretedFunction.run(None) is None  # the stub
+    with pytest.raises(SystemExit, match="no README section"):
+        bh.markers({"environment": {"kernels": "launches stubbed"}})
 
 
 def test_merge_results_replaces_one_op_family(tmp_path):

@@ -1019,10 +1019,17 @@ def test_write_layer_matches_a_cache_of_its_own(backend):
     same_bytes(tail1, tail_before, "rejected writes: tail")
     small = KPoolCache(4, page_size=16, pool_size=4, max_requests=1, max_spec_tokens=1, ape=apes[0], device=DEVICE)
     kv, tail = small.layer_buffers()
+    kv_shrunk, tail_b = small.layer_buffers()
     k, g = toks[0](5)
     small.prefill(["z"], [k], [g])
     with pytest.raises(ValueError, match="keys must have shape"):
         small.write_layer(kv, tail, *toks[1](3), apes[1])
+    # the write launches without the public op's checks: a pair changed in place, a strided ape raise
+    kv_shrunk.resize_(1, 16, 132)
+    with pytest.raises(ValueError, match=r"kv_cache has shape \[1, 16, 132\].*resized in place"):
+        small.write_layer(kv_shrunk, tail_b, *([t] for t in toks[1](5)), apes[1])
+    with pytest.raises(ValueError, match="ape must have a unit inner stride"):
+        small.write_layer(kv, tail, *([t] for t in toks[1](5)), apes[1].repeat(1, 2)[:, ::2])
     with pytest.raises(ValueError, match=r"hold \[4\] tokens per request; the step wrote \[5\]"):
         small.write_layer(kv, tail, *([t] for t in toks[1](4)), apes[1])
     small.write_layer(kv, tail, *([t] for t in toks[1](5)), apes[1])

@@ -35,9 +35,9 @@ from ._backend import backend_for
 from ._checks import (check_bool, check_device_type, check_page_layout, check_positive_int, check_slot_count,
                       check_tensor, int_list, own_indices)
 from .layout import ENTRY_BYTES, HEAD_DIM, read_entries, resolve_fp8_dtype, resolve_layout, ring_size
-from .ops.decode import kpool_decode_update_and_maybe_write_cache_batched
+from .ops.decode import launch_decode_update
 from .ops.logits import check_heads
-from .ops.prefill import write_prefill
+from .ops.prefill import launch_prefill
 from .ops.quant import quantize_queries, quantize_queries_and_counts
 from .ops.select import expand_pools_and_append_tail, visible_counts
 from .ops.score import paged_pool_topk
@@ -332,7 +332,12 @@ class KPoolCache:
             what = "was already written" if layer[2] == self._steps else f"missed steps {layer[2] + 1}..{self._steps - 1}"
             raise ValueError(f"write_layer writes step {self._steps} (the last one); this layer {what}: write every "
                              "layer after each prefill / decode, before the next")
-        check_tensor("ape", ape, dtype=torch.float32, shape=(self.pool_size, HEAD_DIM), device=self.device)
+        for name, t, own in (("kv_cache", kv_cache, self.kv_cache), ("tail", tail, self.tail)):
+            if t.shape != own.shape or t.stride() != own.stride():  # the write launches unchecked
+                raise ValueError(f"{name} has shape {list(t.shape)}, strides {t.stride()} since layer_buffers() "
+                                 f"gave {list(own.shape)}, {own.stride()}: resized in place?")
+        check_tensor("ape", ape, dtype=torch.float32, shape=(self.pool_size, HEAD_DIM), device=self.device,
+                     inner_contiguous=True)
         kind, tables, counts = self._last_write
         ids, listed, given = self.last_step.request_ids, isinstance(keys, (list, tuple)), None
         if kind == "prefill":
@@ -353,16 +358,16 @@ class KPoolCache:
     def _write_step(self, write, kv_cache, tail, key, gate, ape) -> None:
         """A step's write (``write``: kind, device tables, tokens per request) into ``kv_cache`` / ``tail``."""
         kind, tables, _ = write
-        with own_indices():  # slots, pool rows and ring blocks the cache planned itself
-            if kind == "prefill":
-                pools, requests = tables
-                write_prefill(kv_cache, tail, key, gate, ape, pools, requests, self.pool_size, layout=self.layout,
-                              fp8_dtype=self.fp8_dtype, round_scale=self.round_scale)
-            else:
-                tail_slots, slot_mapping, positions = tables
-                kpool_decode_update_and_maybe_write_cache_batched(
-                    kv_cache, tail, tail_slots, key, gate, ape, slot_mapping, positions, self.pool_size,
-                    round_scale=self.round_scale, layout=self.layout, fp8_dtype=self.fp8_dtype)
+        # the launchers without the public ops' checks: the tables are the cache's own, the buffers
+        # its own or a layer_buffers() pair, keys / gates / ape checked by the caller
+        if kind == "prefill":
+            pools, requests = tables
+            launch_prefill(kv_cache, tail, key, gate, ape, pools, requests, self.pool_size, self.layout,
+                           self.fp8_dtype, self.round_scale)
+        else:
+            tail_slots, slot_mapping, positions = tables
+            launch_decode_update(kv_cache, tail, tail_slots, key, gate, ape, slot_mapping, positions, self.pool_size,
+                                 self.layout, self.fp8_dtype, self.round_scale)
 
     # ------------------------------------------------------------------ scoring
     def topk_indices(self, request_ids, q, weights, *, index_topk=2048, width=None, kv_cache=None) -> torch.Tensor:

@@ -78,12 +78,22 @@ def resolve_fp8_dtype(fp8_dtype: torch.dtype | None, device) -> torch.dtype:
     return fp8_dtype
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` of host ints (``triton.cdiv`` is a ``ConstexprFunction``: ~2 µs a host call)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The least power of two ``>= n`` (1 for ``n <= 1``), as ``triton.next_power_of_2`` on host ints."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def ring_size(pool_size: int, num_spec_tokens: int = 0) -> int:
     """Ring slots per request: ``P * next_pow2(ceil((P + num_spec) / P))`` (vLLM's rule).
 
     Always a multiple of ``P`` and at least ``P + num_spec_tokens``.
     """
-    groups = -(-(pool_size + num_spec_tokens) // pool_size)
+    groups = cdiv(pool_size + num_spec_tokens, pool_size)
     return pool_size * (1 << (groups - 1).bit_length())
 
 

@@ -15,7 +15,7 @@ from .. import reference
 from .._backend import backend_for, interpreting, native_fp8, pdl_launch
 from .._checks import (INT_DTYPES, check_bool, check_head_dim, check_index_range, check_kv_cache,
                        check_pool_size, check_tensor)
-from ..layout import HEAD_DIM, fp8_max, resolve_fp8_dtype, resolve_layout
+from ..layout import HEAD_DIM, cdiv, fp8_max, resolve_fp8_dtype, resolve_layout
 from . import _jit, _pdl
 
 # Pools per one-warp program, by P: on the H200 2 pools (P=4) and 1 pool (P=16) beat 1-32
@@ -72,7 +72,7 @@ def launch_compress(kv_cache, k, g, ape, loc, n_pools, pool_size, fp8_dtype, lay
     cache_u8 = kv_cache if write else k  # unused pointers point at k
     cache_f32 = kv_cache.view(torch.float32) if write else k
     block = block_pools(pool_size)
-    _compress_kernel[(triton.cdiv(n_pools, block),)](
+    _compress_kernel[(cdiv(n_pools, block),)](
         cache_u8, cache_f32, kv_cache.stride(0) if write else 0,
         kv_cache.shape[0] * kv_cache.shape[1] if write else 0,
         k, g, k.stride(0), k.stride(1), g.stride(0), g.stride(1),

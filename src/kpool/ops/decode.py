@@ -23,7 +23,7 @@ from .. import reference
 from .._backend import backend_for, native_fp8, pdl_launch, row_select
 from .._checks import (INT_DTYPES, check_bool, check_head_dim, check_index_ranges, check_kv_cache,
                        check_pool_size, check_tail, check_tensor)
-from ..layout import HEAD_DIM, fp8_max, resolve_fp8_dtype
+from ..layout import HEAD_DIM, cdiv, fp8_max, next_pow2, resolve_fp8_dtype
 from . import _jit, _pdl
 
 SMALL_BATCH = 256  # requests; up to this many, a program (one request) gets 4 warps
@@ -41,7 +41,7 @@ def decode_warps(num_req: int, next_n: int) -> int:
 def step_tiles(next_n: int, pool_size: int) -> dict:
     """Constexpr tile sizes of a step: ``NB`` (>= next_n) tokens, ``NC`` (>= cdiv(next_n, P),
     the most pools a step of consecutive tokens completes) completions; powers of two."""
-    return dict(NB=triton.next_power_of_2(next_n), NC=triton.next_power_of_2(triton.cdiv(next_n, pool_size)))
+    return dict(NB=next_pow2(next_n), NC=next_pow2(cdiv(next_n, pool_size)))
 
 
 @triton.jit
@@ -202,18 +202,29 @@ def kpool_decode_update_and_maybe_write_cache_batched(kv_cache, tail_kv_cache, t
     check_index_ranges([("slot_mapping", slot_mapping, kv_cache.shape[0] * kv_cache.shape[1], "cache slots"),
                         ("tail_slot_mapping", tail_slot_mapping, tail_kv_cache.shape[0] * ring, "tail ring slots")],
                        ring_slots=("tail_slot_mapping", tail_slot_mapping, positions, ring))
+    launch_decode_update(kv_cache, tail_kv_cache, tail_slot_mapping, key, slot_score, ape, slot_mapping, positions,
+                         pool_size, layout, fp8_dtype, round_scale)
+
+
+def launch_decode_update(kv_cache, tail, tail_slots, key, gate, ape, slot_mapping, positions, pool_size, layout,
+                         fp8_dtype, round_scale) -> None:
+    """The decode update of arguments already validated (by the public op above, or built by
+    ``KPoolCache`` for its own buffers), ``layout`` / ``fp8_dtype`` resolved: the torch
+    reference or one launch, no checks (they cost a step's host time once per layer)."""
+    num_req, next_n = key.shape[0], key.shape[1]
     if num_req == 0 or next_n == 0:
-        return None
+        return
+    device = key.device
     if backend_for(device) == "torch":
-        return reference.decode_update(kv_cache, tail_kv_cache, tail_slot_mapping, key, slot_score, ape, slot_mapping,
-                                       positions, pool_size, fp8_dtype, layout, round_scale)
+        reference.decode_update(kv_cache, tail, tail_slots, key, gate, ape, slot_mapping, positions, pool_size,
+                                fp8_dtype, layout, round_scale)
+        return
+    ring = tail.shape[2]
     _decode_update_kernel[(num_req,)](
         kv_cache, kv_cache.view(torch.float32), kv_cache.stride(0), kv_cache.shape[0] * kv_cache.shape[1],
-        tail_kv_cache, tail_kv_cache.stride(0), tail_kv_cache.stride(1), tail_kv_cache.shape[0] * ring,
-        key, key.stride(0), key.stride(1), slot_score, slot_score.stride(0), slot_score.stride(1),
-        ape, ape.stride(0),
-        tail_slot_mapping, *tail_slot_mapping.stride(), slot_mapping, *slot_mapping.stride(),
-        positions, *positions.stride(), next_n,
+        tail, tail.stride(0), tail.stride(1), tail.shape[0] * ring,
+        key, key.stride(0), key.stride(1), gate, gate.stride(0), gate.stride(1), ape, ape.stride(0),
+        tail_slots, *tail_slots.stride(), slot_mapping, *slot_mapping.stride(), positions, *positions.stride(), next_n,
         P=pool_size, RING=ring, PAGE=kv_cache.shape[1],
         PRESHUFFLE=layout == "preshuffle", FP8_MAX=fp8_max(fp8_dtype), FNUZ=fp8_dtype == torch.float8_e4m3fnuz,
         ROUND_SCALE=round_scale, NATIVE_FP8=native_fp8(device, fp8_dtype),
@@ -221,4 +232,3 @@ def kpool_decode_update_and_maybe_write_cache_batched(kv_cache, tail_kv_cache, t
         num_warps=decode_warps(num_req, next_n), **pdl_launch(device),
         enable_fp_fusion=False,
     )
-    return None

@@ -48,7 +48,7 @@ import triton.language as tl
 from .. import reference
 from .._backend import backend_for, native_fp8, pdl_launch
 from .._checks import INT_DTYPES, check_kv_cache, check_tensor, range_checks_enabled
-from ..layout import FP8_DTYPES, HEAD_DIM, resolve_fp8_dtype
+from ..layout import FP8_DTYPES, HEAD_DIM, cdiv, resolve_fp8_dtype
 from . import _jit, _jit_fp8, _pdl, topk
 from ._jit_fp8 import halves_table
 
@@ -492,7 +492,7 @@ def paged_pool_logits(q_fp8, kv_cache, weights, pool_lens, page_table, *, layout
     if limit == 0:
         return out.fill_(float("-inf"))
     q8 = q_fp8.view(torch.uint8)
-    grid = (rows, triton.cdiv(max_pools, BLOCK_POOLS))
+    grid = (rows, cdiv(max_pools, BLOCK_POOLS))
     _paged_logits_kernel[grid](
         q8, q8.stride(0), q8.stride(1), q8.stride(2), weights, weights.stride(0), weights.stride(1),
         weights.stride(2), pool_lens, pool_lens.stride(0), pool_lens.stride(1),
@@ -551,7 +551,7 @@ def ragged_pool_logits(q_fp8, k_codes, k_scale, weights, ks, ke, *, fp8_dtype=No
     if n_q == 0 or n_keys == 0:
         return out
     q8, k8 = q_fp8.view(torch.uint8), k_codes.view(torch.uint8)
-    grid = (n_q, triton.cdiv(n_keys, RAGGED_TILE * RAGGED_TILES))
+    grid = (n_q, cdiv(n_keys, RAGGED_TILE * RAGGED_TILES))
     _ragged_logits_kernel[grid](
         q8, q8.stride(0), q8.stride(1), weights, weights.stride(0), weights.stride(1),
         k8, k8.stride(0), k_scale, k_scale.stride(0), ks, ke, n_keys, out, out.stride(0), halves_table(fp8_dtype, device),

@@ -20,7 +20,7 @@ import triton.language as tl
 from .. import reference
 from .._backend import backend_for, native_fp8, pdl_launch, register_cap, row_select
 from .._checks import check_bool, check_kv_cache, check_pool_size, check_tail, check_tensor, range_checks_enabled
-from ..layout import HEAD_DIM, fp8_max, resolve_fp8_dtype
+from ..layout import HEAD_DIM, cdiv, fp8_max, next_pow2, resolve_fp8_dtype
 from . import _jit, _pdl
 from .compress import NUM_WARPS, block_pools
 
@@ -157,6 +157,13 @@ def write_prefill(kv_cache, tail, key, gate, ape, pools, requests, pool_size, *,
     check_tail(tail, pool_size, device, "tail")
     if range_checks_enabled():
         _check_tables(pools, requests, key.shape[0], pool_size, kv_cache.shape[0] * kv_cache.shape[1], tail.shape[0])
+    launch_prefill(kv_cache, tail, key, gate, ape, pools, requests, pool_size, layout, fp8_dtype, round_scale)
+
+
+def launch_prefill(kv_cache, tail, key, gate, ape, pools, requests, pool_size, layout, fp8_dtype, round_scale) -> None:
+    """``write_prefill`` of arguments already validated (by it, or built by ``KPoolCache`` for
+    its own buffers), ``layout`` / ``fp8_dtype`` resolved: the torch reference or one launch,
+    no checks."""
     n, r = pools.shape[0], requests.shape[0]
     if n + r == 0:
         return
@@ -165,13 +172,13 @@ def write_prefill(kv_cache, tail, key, gate, ape, pools, requests, pool_size, *,
                                 round_scale)
         return
     block = block_pools(pool_size)
-    programs = triton.cdiv(n, block)
+    programs = cdiv(n, block)
     _prefill_kernel[(programs + r,)](
         kv_cache, kv_cache.view(torch.float32), kv_cache.stride(0), kv_cache.shape[0] * kv_cache.shape[1],
         tail, tail.stride(0), tail.stride(1), key, key.stride(0), gate, gate.stride(0), ape, ape.stride(0),
         pools, n, programs, requests,
         P=pool_size, RING=tail.shape[2], PAGE=kv_cache.shape[1], BN=block, PRESHUFFLE=layout == "preshuffle",
         FP8_MAX=fp8_max(fp8_dtype), FNUZ=fp8_dtype == torch.float8_e4m3fnuz, ROUND_SCALE=round_scale,
-        NATIVE_FP8=native_fp8(key.device, fp8_dtype), KEEP=triton.next_power_of_2(pool_size), ROW_SELECT=row_select(),
+        NATIVE_FP8=native_fp8(key.device, fp8_dtype), KEEP=next_pow2(pool_size), ROW_SELECT=row_select(),
         **launch_options(key.device, pool_size),
     )

@@ -15,7 +15,7 @@ import triton.language as tl
 from .. import reference
 from .._backend import backend_for, interpreting, native_fp8, pdl_launch
 from .._checks import INT_DTYPES, check_bool, check_pool_size, check_tensor
-from ..layout import HEAD_DIM, fp8_max, resolve_fp8_dtype
+from ..layout import HEAD_DIM, cdiv, fp8_max, resolve_fp8_dtype
 from . import _jit, _pdl
 from .select import store_visible_counts, visible_counts
 
@@ -64,7 +64,7 @@ def launch_fwht_quant(q2d, codes, scale, fp8_dtype, round_scale=True, weights=No
     fold = weights is not None
     heads = weights.shape[1] if fold else 1
     block = INTERPRETER_BLOCK_ROWS if interpreting() else BLOCK_ROWS
-    _fwht_quant_kernel[(triton.cdiv(rows, block),)](
+    _fwht_quant_kernel[(cdiv(rows, block),)](
         q2d, q2d.stride(0), codes, scale, rows,
         weights if fold else scale, weights.stride(0) if fold else 0, weights.stride(1) if fold else 0, heads,
         w_out if fold else scale, reference.head_weight_scale(heads),

@@ -47,7 +47,7 @@ import triton.language as tl
 from .. import reference
 from .._backend import backend_for, pdl_launch, register_cap
 from .._checks import check_positive_int
-from ..layout import fp8_max
+from ..layout import cdiv, fp8_max, next_pow2
 from . import _pdl, select, topk
 from ._jit_fp8 import halves_table
 from .logits import (MIN_FILTER_ERROR, approx_block_logits, bound_keys, check_paged_args, decode_args,
@@ -270,14 +270,14 @@ def wide_plan(rows: int, n_cols: int, select_k: int, device) -> tuple:
     kb = topk.key_block(select_k)
     wide = 2 * chunk
     sms = topk._sm_count(device)
-    if (chunk == kb and sms and rows * triton.cdiv(n_cols, wide) >= topk.PROGRAMS_PER_SM * sms
-            and filters(wide, kb, triton.cdiv(n_cols, wide), n_cols, select_k)):
-        return wide, triton.cdiv(n_cols, wide)
+    if (chunk == kb and sms and rows * cdiv(n_cols, wide) >= topk.PROGRAMS_PER_SM * sms
+            and filters(wide, kb, cdiv(n_cols, wide), n_cols, select_k)):
+        return wide, cdiv(n_cols, wide)
     floor = max(FILTER_MIN_CHUNK, topk.MIN_CHUNK, BLOCK_POOLS)  # never below plan_leaves' smallest leaf
     while (chunk // 2 >= floor and (n_cols // chunk) * topk.POSITION_KEYS <= FILTER_TIGHT_KEYS * select_k
            and filters(chunk, kb, n_chunks, n_cols, select_k)):
         chunk //= 2
-        n_chunks = triton.cdiv(n_cols, chunk)
+        n_chunks = cdiv(n_cols, chunk)
     return chunk, n_chunks
 
 
@@ -286,14 +286,14 @@ def refine_programs(rows: int, select_k: int, device) -> int:
     row expects (up to ``REFINE_SURVIVORS * select_k``) and one more, fewer when the rows already
     fill the GPU (two off the GPU)."""
     sms = topk._sm_count(device)
-    want = triton.cdiv(int(REFINE_SURVIVORS * select_k), BLOCK_POOLS) + 1
-    return max(1, min(want, triton.cdiv(REFINE_PROGRAMS_PER_SM * sms, rows))) if sms else 2
+    want = cdiv(int(REFINE_SURVIVORS * select_k), BLOCK_POOLS) + 1
+    return max(1, min(want, cdiv(REFINE_PROGRAMS_PER_SM * sms, rows))) if sms else 2
 
 
 def query_rows(next_n: int) -> int:
     """``ROWS``: query rows of one request scored together by a program (powers of two up to
     ``MAX_ROWS``, never more than the step has)."""
-    return min(MAX_ROWS, triton.next_power_of_2(next_n))
+    return min(MAX_ROWS, next_pow2(next_n))
 
 
 def pipeline_stages(filtered: bool = False) -> int:
@@ -324,7 +324,7 @@ def small_grid(programs: int, device, filtered: bool = False, rows: int = 1, hea
         return False
     uncapped = FILTER_UNCAPPED_PER_SM if filtered and rows == 1 and heads <= 32 else UNCAPPED_PER_SM
     capped = REGISTERS_PER_SM // (max_regs(filtered, rows, heads) * 32 * NUM_WARPS)
-    return triton.cdiv(programs, uncapped * sms) <= triton.cdiv(programs, capped * sms)
+    return cdiv(programs, uncapped * sms) <= cdiv(programs, capped * sms)
 
 
 def launch_options(device, filtered: bool = False, rows: int = 1, heads: int = 32, programs: int | None = None) -> dict:
@@ -390,7 +390,7 @@ def paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, *
     rows_per_prog = query_rows(next_n)
 
     def launch_leaves(cand, count, chunk, n_chunks, kb, final, filtered):
-        groups = batch * triton.cdiv(next_n, rows_per_prog)
+        groups = batch * cdiv(next_n, rows_per_prog)
         _paged_topk_kernel[(groups, n_chunks)](
             q8, q8.stride(0), q8.stride(1), q8.stride(2), weights, weights.stride(0), weights.stride(1),
             weights.stride(2), lens, lens.stride(0), page_table, page_table.stride(0), page_table.stride(1),

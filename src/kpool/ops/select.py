@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
+from ..layout import cdiv, next_pow2
 from .._backend import backend_for, pdl_launch
 from .._checks import INT_DTYPES, check_index_range, check_pool_size, check_tensor, range_checks_enabled
 from . import _pdl
@@ -268,7 +269,7 @@ def _map_args(page_table, topk_offsets, fallback):
 
 def tail_block(n_tail):
     """``TAIL_BLOCK`` of ``store_tail`` for ``n_tail`` columns after the history."""
-    return min(triton.next_power_of_2(max(n_tail, 1)), TAIL_MAX_BLOCK)
+    return min(next_pow2(max(n_tail, 1)), TAIL_MAX_BLOCK)
 
 
 def launch_expand_pools(ids, valid, seq_lens, out, pool_size, page_table=None, topk_offsets=None):
@@ -280,11 +281,11 @@ def launch_expand_pools(ids, valid, seq_lens, out, pool_size, page_table=None, t
     rows, n_pools = ids.shape
     if rows == 0 or out.shape[1] == 0:
         return
-    pb = triton.next_power_of_2(pool_size)
-    block_pools = min(triton.next_power_of_2(max(n_pools, 1)), max(1, TILE_ELEMS // pb))
+    pb = next_pow2(pool_size)
+    block_pools = min(next_pow2(max(n_pools, 1)), max(1, TILE_ELEMS // pb))
     n_tail = out.shape[1] - n_pools * pool_size
     mode, mptr, ms0, ms1, mcols = _map_args(page_table, topk_offsets, ids)
-    grid = (triton.cdiv(rows, ROWS_PER_PROG), max(1, triton.cdiv(n_pools, block_pools)))
+    grid = (cdiv(rows, ROWS_PER_PROG), max(1, cdiv(n_pools, block_pools)))
     _expand_pools_kernel[grid](
         ids, ids.stride(0), valid if valid is not None else ids, valid.stride(0) if valid is not None else 0,
         seq_lens if seq_lens is not None else ids, seq_lens.stride(0) if seq_lens is not None else 0, out, out.stride(0),
@@ -399,9 +400,9 @@ def append_tail_to_topk(topk_result, seq_lens, pool_lens, pool_size, page_table=
     if rows == 0:
         return out
     src = _inner_contiguous(topk_result)
-    block_cols = min(triton.next_power_of_2(max(n_cols, 1)), TILE_ELEMS)
+    block_cols = min(next_pow2(max(n_cols, 1)), TILE_ELEMS)
     mode, mptr, ms0, ms1, mcols = _map_args(page_table, topk_offsets, src)
-    grid = (triton.cdiv(rows, ROWS_PER_PROG), max(1, triton.cdiv(n_cols, block_cols)))
+    grid = (cdiv(rows, ROWS_PER_PROG), max(1, cdiv(n_cols, block_cols)))
     _append_tail_kernel[grid](
         src, src.stride(0), seq_lens, seq_lens.stride(0), pool_lens, pool_lens.stride(0), out, out.stride(0),
         mptr, ms0, ms1, mcols, rows, n_cols, n_tail,
@@ -437,8 +438,8 @@ def build_pooled_page_table(page_table, pool_size):
         return out
     src = page_table.reshape(-1, w)
     rows, out_cols = src.shape[0], w // pool_size
-    block = min(triton.next_power_of_2(out_cols), FLAT_BLOCK)
-    _pooled_page_table_kernel[(rows, triton.cdiv(out_cols, block))](
+    block = min(next_pow2(out_cols), FLAT_BLOCK)
+    _pooled_page_table_kernel[(rows, cdiv(out_cols, block))](
         src, src.stride(0), src.stride(1), out, rows, out_cols, P=pool_size, BLOCK=block,
         **pdl_launch(out.device))
     return out
@@ -464,7 +465,7 @@ def compute_pooled_write_locs(page_table_64, pool_ids, pool_size):
     device = page_table_64.device
     check_tensor("pool_ids", pool_ids, dtype=INT_DTYPES, device=device)
     n_pages = page_table_64.shape[0]
-    limit = triton.cdiv(n_pages, pool_size) * 64  # ids with (id // 64) * P < n_pages
+    limit = cdiv(n_pages, pool_size) * 64  # ids with (id // 64) * P < n_pages
     check_index_range("pool_ids", pool_ids, limit, f"pooled page table ({n_pages} token pages, P={pool_size})")
     if backend_for(device) == "torch":
         return reference.compute_pooled_write_locs(page_table_64, pool_ids, pool_size)
@@ -473,7 +474,7 @@ def compute_pooled_write_locs(page_table_64, pool_ids, pool_size):
     if n == 0:
         return out
     ids = pool_ids.contiguous()
-    _pooled_write_locs_kernel[(triton.cdiv(n, FLAT_BLOCK),)](
+    _pooled_write_locs_kernel[(cdiv(n, FLAT_BLOCK),)](
         page_table_64, page_table_64.stride(0), n_pages, ids, out, n, P=pool_size, BLOCK=FLAT_BLOCK,
         **pdl_launch(device))
     return out
@@ -500,7 +501,7 @@ def visible_counts(positions, pool_size):
     n = pos.numel()
     out = torch.empty((2, n), dtype=torch.int64, device=positions.device)
     if n:
-        _visible_counts_kernel[(triton.cdiv(n, FLAT_BLOCK),)](pos.contiguous(), out, n, P=pool_size, BLOCK=FLAT_BLOCK,
+        _visible_counts_kernel[(cdiv(n, FLAT_BLOCK),)](pos.contiguous(), out, n, P=pool_size, BLOCK=FLAT_BLOCK,
                                                               **pdl_launch(positions.device))
     return out[0], out[1]
 

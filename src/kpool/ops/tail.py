@@ -17,7 +17,7 @@ import triton.language as tl
 from .. import reference
 from .._backend import backend_for, pdl_launch
 from .._checks import INT_DTYPES, check_head_dim, check_index_range, check_pool_size, check_tail, check_tensor
-from ..layout import HEAD_DIM
+from ..layout import HEAD_DIM, cdiv, next_pow2
 from . import _jit, _pdl
 
 BLOCK_TOKENS = 64  # rows each program seeds
@@ -126,7 +126,7 @@ def kpool_seed_tail_cache(tail_kv_cache, key, gate_score, tslot, kpool, head_dim
         return None
     if backend_for(device) == "torch":
         return reference.seed_tail(tail_kv_cache, key, gate_score, tslot, kpool)
-    programs = triton.cdiv(n, BLOCK_TOKENS)
+    programs = cdiv(n, BLOCK_TOKENS)
     scratch = torch.empty(programs * (BLOCK_TOKENS + kpool), dtype=torch.int64, device=device)
     _seed_tail_kernel[(programs,)](
         tail_kv_cache, tail_kv_cache.stride(0), tail_kv_cache.stride(1),
@@ -152,5 +152,5 @@ def seed_requests(tail, key, gate, meta, keep):
         return
     _seed_requests_kernel[(meta.shape[0],)](
         tail, tail.stride(0), tail.stride(1), key, key.stride(0), gate, gate.stride(0), meta,
-        RING=ring, KEEP=triton.next_power_of_2(max(keep, 1)), **pdl_launch(key.device),
+        RING=ring, KEEP=next_pow2(max(keep, 1)), **pdl_launch(key.device),
     )

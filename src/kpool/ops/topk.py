@@ -61,6 +61,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
+from ..layout import cdiv, next_pow2
 from .._backend import backend_for, interpreting, pdl_launch
 from .._checks import INT_DTYPES, check_positive_int, check_tensor, range_checks_enabled
 from . import _pdl, select
@@ -666,7 +667,7 @@ def _threshold_select_kernel(surv_ptr, n_surv, count_ptr, lens_ptr, lens_stride,
 
 def key_block(select_k: int) -> int:
     """``KB``: keys kept per list (the power of two at or above ``select_k``, at least ``MIN_KB``)."""
-    return max(triton.next_power_of_2(select_k), MIN_KB)
+    return max(next_pow2(select_k), MIN_KB)
 
 
 _SMS = {}  # CUDA device index -> SM count (_sm_count)
@@ -694,9 +695,9 @@ def plan_leaves(rows: int, n_cols: int, select_k: int, device, granule: int = 1)
     n_cols = max(n_cols, 1)
     floor = max(MIN_CHUNK, granule)
     chunk = max(key_block(select_k), LEAF_BASE, floor)
-    while chunk > floor and rows * triton.cdiv(n_cols, chunk) < want:
+    while chunk > floor and rows * cdiv(n_cols, chunk) < want:
         chunk //= 2
-    return chunk, triton.cdiv(n_cols, chunk)
+    return chunk, cdiv(n_cols, chunk)
 
 
 def list_size(chunk: int, kb: int, filtered: bool = False) -> int:
@@ -716,7 +717,7 @@ def expansion_args(expand, select_k: int, dummy) -> dict:
     seq_lens, pool_size, width = expand
     n_tail = width - select_k * pool_size
     return dict(seq_ptr=seq_lens, seq_stride=seq_lens.stride(0), n_tail=n_tail, P=pool_size,
-                PB=triton.next_power_of_2(pool_size), TAIL=True, TAIL_BLOCK=select.tail_block(n_tail))
+                PB=next_pow2(pool_size), TAIL=True, TAIL_BLOCK=select.tail_block(n_tail))
 
 
 def select_by_leaves(out, lens, n_cols, select_k, launch_leaves, granule: int = 1, refine=None,
@@ -760,7 +761,7 @@ def union_block(n_lists: int) -> tuple:
     """``(BLOCK, RESIDENT, PK_RESIDENT)`` of ``_union_bound_kernel`` for rows of ``n_lists`` leaf
     lists: all their ``HEAD`` keys, and all their ``POSITION_KEYS``, in registers up to
     ``UNION_RESIDENT_KEYS`` each, else streamed ``SELECT_BLOCK`` at a time."""
-    lists = triton.next_power_of_2(n_lists)
+    lists = next_pow2(n_lists)
     pk_resident = lists * POSITION_KEYS <= UNION_RESIDENT_KEYS
     if lists * MIN_KB <= UNION_RESIDENT_KEYS:
         return lists * MIN_KB, True, pk_resident
@@ -785,12 +786,12 @@ def survivors(cand, count, chunk, lens, n_cols, select_k, filtered: bool = False
         bound = torch.empty((rows,), dtype=torch.int64, device=cand.device)
         block, resident, pk_resident = union_block(n_lists)
         _union_bound_kernel[(rows,)](cand, n_lists, lens, lens.stride(0), n_cols, bound, select_k, CHUNK=chunk,
-                                     KW=kw, LB=triton.next_power_of_2(n_lists), BLOCK=block, BITS=RADIX_BITS,
+                                     KW=kw, LB=next_pow2(n_lists), BLOCK=block, BITS=RADIX_BITS,
                                      RESIDENT=resident, PK_RESIDENT=pk_resident, num_warps=SELECT_WARPS,
                                      **pdl_launch(cand.device))
-    _survivors_kernel[(rows, triton.cdiv(n_lists, lg))](
+    _survivors_kernel[(rows, cdiv(n_lists, lg))](
         cand, n_lists, lens, lens.stride(0), n_cols, surv, count, bound, select_k, CHUNK=chunk, KW=kw, LG=lg,
-        LB=triton.next_power_of_2(n_lists), FILTER=filtered, **pdl_launch(cand.device))
+        LB=next_pow2(n_lists), FILTER=filtered, **pdl_launch(cand.device))
     return surv
 
 
@@ -805,7 +806,7 @@ def rank_programs(rows: int, limit: int, device) -> int:
     to fill the GPU with ``RANK_PROGRAMS_PER_SM`` per SM without a second wave (H200, 32 x 128K:
     8 per row instead of 13 in 1.6 waves, 85.7 -> 84.5 us), at most one per ``RANK_SLICE`` of
     ``limit`` survivors (two off the GPU, so that the CPU lanes exercise the striding)."""
-    slices = max(1, triton.cdiv(limit, RANK_SLICE))
+    slices = max(1, cdiv(limit, RANK_SLICE))
     sms = _sm_count(device)
     return min(slices, max(1, RANK_PROGRAMS_PER_SM * sms // rows) if sms else 2)
 
