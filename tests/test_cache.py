@@ -1024,12 +1024,34 @@ def test_write_layer_matches_a_cache_of_its_own(backend):
     small.prefill(["z"], [k], [g])
     with pytest.raises(ValueError, match="keys must have shape"):
         small.write_layer(kv, tail, *toks[1](3), apes[1])
-    # the write launches without the public op's checks: a pair changed in place, a strided ape raise
+    # the writes launch without the public ops' checks: a layer pair or the cache's own buffers
+    # changed in place or replaced, a strided ape raise before anything is written
     kv_shrunk.resize_(1, 16, 132)
-    with pytest.raises(ValueError, match=r"kv_cache has shape \[1, 16, 132\].*resized in place"):
+    with pytest.raises(ValueError, match=r"kv_cache \(torch.uint8 \[1, 16, 132\].*not the buffer it was when "
+                                         r"layer_buffers\(\) gave it"):
+        small.write_layer(kv_shrunk, tail_b, *([t] for t in toks[1](5)), apes[1])
+    kv_shrunk.resize_(kv.shape)  # back in its own storage: the same buffer again
+    tail_b.data = tail_b.data.to(torch.float16)  # same object, shape and strides
+    with pytest.raises(ValueError, match=r"tail \(torch.float16"):
         small.write_layer(kv_shrunk, tail_b, *([t] for t in toks[1](5)), apes[1])
     with pytest.raises(ValueError, match="ape must have a unit inner stride"):
         small.write_layer(kv, tail, *([t] for t in toks[1](5)), apes[1].repeat(1, 2)[:, ::2])
+    own = {name: getattr(small, name) for name in ("kv_cache", "tail", "ape")}
+    tail_view = small.tail.view_as(small.tail)  # its memory, to point the tail back at
+    kv_before, tail_before = small.kv_cache.clone(), small.tail.clone()
+    for name, change in (("tail", lambda: small.tail.set_(torch.zeros(1, 2, small.ring, 64, dtype=torch.bfloat16,
+                                                                       device=DEVICE))),
+                         ("kv_cache", lambda: setattr(small, "kv_cache", small.kv_cache.clone())),
+                         ("ape", lambda: setattr(small, "ape", own["ape"].t().contiguous().t()))):
+        change()
+        for step in (lambda: small.prefill(["z"], *([t] for t in toks[0](3))),
+                     lambda: small.decode(["z"], *([t] for t in toks[0](1)))):
+            with pytest.raises(ValueError, match=rf"^{name} \(.*not the buffer it was when the cache allocated it"):
+                step()
+        setattr(small, name, own[name]) if name != "tail" else small.tail.set_(tail_view)
+    assert small.length("z") == 5
+    same_bytes(small.kv_cache, kv_before, "steps refused for changed buffers: kv_cache")
+    same_bytes(small.tail, tail_before, "steps refused for changed buffers: tail")
     with pytest.raises(ValueError, match=r"hold \[4\] tokens per request; the step wrote \[5\]"):
         small.write_layer(kv, tail, *([t] for t in toks[1](4)), apes[1])
     small.write_layer(kv, tail, *([t] for t in toks[1](5)), apes[1])

@@ -89,6 +89,21 @@ class _Request:
     step_kind: str = ""  # "prefill", "decode", or "accepted" (a decode step accept() committed)
 
 
+def _signature(t: torch.Tensor) -> tuple:
+    """What the unchecked launchers rely on of a buffer: its memory, dtype, device, shape, strides."""
+    return (t.data_ptr(), t.untyped_storage().nbytes(), t.dtype, t.device, tuple(t.shape), t.stride())
+
+
+def _check_unchanged(buffers: dict, signatures: dict, since: str) -> None:
+    """Each named buffer is the tensor it was when ``since`` (not re-bound, resized, re-typed or
+    re-pointed in place): the steps write through it without the public ops' checks."""
+    for name, t in buffers.items():
+        if not torch.is_tensor(t) or _signature(t) != signatures[name]:
+            what = f"{t.dtype} {list(t.shape)}, strides {t.stride()}" if torch.is_tensor(t) else type(t).__name__
+            raise ValueError(f"{name} ({what}) is not the buffer it was when {since} (changed in place or "
+                             "replaced): the cache writes through its own buffers without re-checking them")
+
+
 class KPoolCache:
     """Pooled fp8 K cache + tail ring of one indexer layer.
 
@@ -138,7 +153,8 @@ class KPoolCache:
         self.last_step: StepMetadata | None = None
         self._last_write: tuple | None = None  # (kind, device tables, tokens per request) of the last step
         self._steps = 0  # prefill / decode steps taken
-        self._layers: list = []  # [weakref(kv_cache), weakref(tail), steps written] of each layer_buffers() pair
+        self._layers: list = []  # [weakref(kv_cache), weakref(tail), steps written, signatures] of each layer pair
+        self._owned = {name: _signature(t) for name, t in self._buffers().items()}
 
     # ------------------------------------------------------------------ queries
     @property
@@ -228,6 +244,7 @@ class KPoolCache:
         chunks complete (a chunk starting mid-pool completes it from the ring) and seeds
         each request's ring with its trailing tokens.
         """
+        _check_unchanged(self._buffers(), self._owned, "the cache allocated it")
         key, gate, bounds = self._pack(request_ids, keys, gates, cu_seqlens)
         lengths = [b - a for a, b in bounds]
         new_ids = [r for r in request_ids if r not in self._requests]
@@ -257,6 +274,7 @@ class KPoolCache:
         ``keys``/``gates``: bf16 ``[B, next_n, 128]``, or lists of ``[n_i, 128]`` (mixed lengths,
         padded here). At most ``max_spec_tokens + 1`` tokens per request; ``accept`` commits a prefix.
         """
+        _check_unchanged(self._buffers(), self._owned, "the cache allocated it")
         key, gate, counts = self._step_rows(request_ids, keys, gates)
         if len(set(request_ids)) != len(request_ids):
             raise ValueError("request_ids must not repeat within a step")
@@ -302,8 +320,13 @@ class KPoolCache:
         kv_cache, tail = torch.zeros_like(self.kv_cache), torch.zeros_like(self.tail)
         # weak: buffers the caller drops are freed (and forgotten here)
         self._layers = [entry for entry in self._layers if entry[0]() is not None]
-        self._layers.append([weakref.ref(kv_cache), weakref.ref(tail), self._steps])
+        self._layers.append([weakref.ref(kv_cache), weakref.ref(tail), self._steps,
+                             {"kv_cache": _signature(kv_cache), "tail": _signature(tail)}])
         return kv_cache, tail
+
+    def _buffers(self) -> dict:
+        """The cache's own buffers its steps write through the unchecked launchers (and ape they pool with)."""
+        return {"kv_cache": self.kv_cache, "tail": self.tail, "ape": self.ape}
 
     def _layer(self, kv_cache):
         """The ``_layers`` entry of a ``layer_buffers()`` kv_cache, or None."""
@@ -332,10 +355,7 @@ class KPoolCache:
             what = "was already written" if layer[2] == self._steps else f"missed steps {layer[2] + 1}..{self._steps - 1}"
             raise ValueError(f"write_layer writes step {self._steps} (the last one); this layer {what}: write every "
                              "layer after each prefill / decode, before the next")
-        for name, t, own in (("kv_cache", kv_cache, self.kv_cache), ("tail", tail, self.tail)):
-            if t.shape != own.shape or t.stride() != own.stride():  # the write launches unchecked
-                raise ValueError(f"{name} has shape {list(t.shape)}, strides {t.stride()} since layer_buffers() "
-                                 f"gave {list(own.shape)}, {own.stride()}: resized in place?")
+        _check_unchanged({"kv_cache": kv_cache, "tail": tail}, layer[3], "layer_buffers() gave it")
         check_tensor("ape", ape, dtype=torch.float32, shape=(self.pool_size, HEAD_DIM), device=self.device,
                      inner_contiguous=True)
         kind, tables, counts = self._last_write

@@ -84,7 +84,8 @@ def cdiv(a: int, b: int) -> int:
 
 
 def next_pow2(n: int) -> int:
-    """The least power of two ``>= n`` (1 for ``n <= 1``), as ``triton.next_power_of_2`` on host ints."""
+    """The least power of two ``>= n``, 1 for ``n <= 1`` (``triton.next_power_of_2``'s host value
+    for ``n >= 1``; it gives 0 for 0)."""
     return 1 << max(n - 1, 0).bit_length()
 
 
