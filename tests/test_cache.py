@@ -1062,6 +1062,19 @@ def test_write_layer_matches_a_cache_of_its_own(backend):
 
 
 
+def test_configuration_is_read_only():
+    """The sizes and formats a cache was built with cannot be re-bound: its steps launch their
+    kernels with them unchecked (a P above the ape's rows would read past it)."""
+    c = KPoolCache(4, page_size=16, pool_size=4, max_requests=2, max_spec_tokens=1, ape=torch.zeros(4, D),
+                   device=DEVICE)
+    fixed = {"device": c.device, "pool_size": 4, "page_size": 16, "max_spec_tokens": 1, "ring": 8,
+             "layout": c.layout, "fp8_dtype": c.fp8_dtype, "round_scale": True}
+    for name, value in fixed.items():
+        assert getattr(c, name) == value, name
+        with pytest.raises(AttributeError, match=name):
+            setattr(c, name, value)
+
+
 def test_layer_guards_and_failed_steps(backend):
     """A step whose write raises leaves the cache as it was (lengths, metadata, step count: the
     next step and every layer's write_layer go on); ``topk_indices(kv_cache=)`` takes only this

@@ -89,6 +89,11 @@ class _Request:
     step_kind: str = ""  # "prefill", "decode", or "accepted" (a decode step accept() committed)
 
 
+def _fixed(name: str, doc: str) -> property:
+    """A read-only attribute of ``KPoolCache._config``."""
+    return property(lambda self: self._config[name], doc=doc)
+
+
 def _signature(t: torch.Tensor) -> tuple:
     """What the unchecked launchers rely on of a buffer: its memory, dtype, device, shape, strides."""
     return (t.data_ptr(), t.untyped_storage().nbytes(), t.dtype, t.device, tuple(t.shape), t.stride())
@@ -123,24 +128,23 @@ class KPoolCache:
                  device=None, layout=None, fp8_dtype=None, round_scale=True):
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
-        check_device_type("device", self.device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        device = torch.device(device)
+        check_device_type("device", device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         for name, value in (("num_pages", num_pages), ("page_size", page_size), ("pool_size", pool_size),
                             ("max_requests", max_requests)):
             check_positive_int(name, value)
         if not isinstance(max_spec_tokens, int) or isinstance(max_spec_tokens, bool) or max_spec_tokens < 0:
             raise ValueError(f"max_spec_tokens must be a non-negative int, got {max_spec_tokens!r}")
         check_slot_count("num_pages * page_size", num_pages * page_size)  # before allocating
-        self.layout = resolve_layout(layout, self.device, page_size)
-        check_page_layout("page_size", page_size, self.layout)
-        self.fp8_dtype = resolve_fp8_dtype(fp8_dtype, self.device)
+        layout = resolve_layout(layout, device, page_size)
+        check_page_layout("page_size", page_size, layout)
         check_tensor("ape", ape, dtype=torch.float32, shape=(pool_size, HEAD_DIM))
         check_bool("round_scale", round_scale)
-        self.pool_size, self.page_size, self.max_spec_tokens = pool_size, page_size, max_spec_tokens
-        self.round_scale = round_scale
-        self.ring = ring_size(pool_size, max_spec_tokens)
+        self._config = dict(device=device, pool_size=pool_size, page_size=page_size, max_spec_tokens=max_spec_tokens,
+                            ring=ring_size(pool_size, max_spec_tokens), layout=layout,
+                            fp8_dtype=resolve_fp8_dtype(fp8_dtype, device), round_scale=round_scale)
         self.ape = ape.to(self.device, copy=True).contiguous()  # the cache's own: no caller's tensor pools for it
         self.kv_cache = torch.zeros((num_pages, page_size, ENTRY_BYTES), dtype=torch.uint8, device=self.device)
         self.tail = torch.zeros((max_requests, 2, self.ring, HEAD_DIM), dtype=torch.bfloat16, device=self.device)
@@ -157,6 +161,16 @@ class KPoolCache:
         self._owned = {name: _signature(t) for name, t in self._buffers().items()}
 
     # ------------------------------------------------------------------ queries
+    # fixed at construction (read-only: the steps launch their kernels with them unchecked)
+    device = _fixed("device", "torch.device of the buffers (a CUDA one with its index).")
+    pool_size = _fixed("pool_size", "P, tokens per pool.")
+    page_size = _fixed("page_size", "pool entries per page.")
+    max_spec_tokens = _fixed("max_spec_tokens", "speculative tokens a step may add (a step has at most this + 1).")
+    ring = _fixed("ring", "RING, ring slots per request (``layout.ring_size``).")
+    layout = _fixed("layout", '``"plain"`` or ``"preshuffle"``.')
+    fp8_dtype = _fixed("fp8_dtype", "fp8 format of the codes.")
+    round_scale = _fixed("round_scale", "power-of-two (ue8m0) scales.")
+
     @property
     def requests(self) -> list:
         """Ids of the live requests."""
