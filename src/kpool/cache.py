@@ -106,7 +106,7 @@ def _check_unchanged(buffers: dict, signatures: dict, since: str) -> None:
         if not torch.is_tensor(t) or _signature(t) != signatures[name]:
             what = f"{t.dtype} {list(t.shape)}, strides {t.stride()}" if torch.is_tensor(t) else type(t).__name__
             raise ValueError(f"{name} ({what}) is not the buffer it was when {since} (changed in place or "
-                             "replaced): the cache writes through its own buffers without re-checking them")
+                             "replaced): the cache writes through these buffers without re-checking them")
 
 
 class KPoolCache:
