@@ -1048,7 +1048,10 @@ def test_write_layer_matches_a_cache_of_its_own(backend):
                      lambda: small.decode(["z"], *([t] for t in toks[0](1)))):
             with pytest.raises(ValueError, match=rf"^{name} \(.*not the buffer it was when the cache allocated it"):
                 step()
-        setattr(small, name, own[name]) if name != "tail" else small.tail.set_(tail_view)
+        if name == "tail":
+            small.tail.set_(tail_view)
+        else:
+            setattr(small, name, own[name])
     assert small.length("z") == 5
     same_bytes(small.kv_cache, kv_before, "steps refused for changed buffers: kv_cache")
     same_bytes(small.tail, tail_before, "steps refused for changed buffers: tail")
