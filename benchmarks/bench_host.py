@@ -16,7 +16,9 @@ Cases (GLM-5.3-Flash geometry: P = 4, page 64, RING 8 for 3 drafts, 32 heads):
   tokens as a list of ``[n_i, 128]`` tensors, which the cache pads);
 * ``write_layer``: that decode step written into another layer's buffers (what each further
   layer of a model costs once one cache planned the step);
-* ``topk_indices``: the selection of the ``B x next_n`` rows of that decode step.
+* ``topk_indices``: the selection of the ``B x next_n`` rows of that decode step (``next layer``:
+  another layer's selection of the same step, from that layer's buffers, once the first
+  layer's call planned the step: what each further layer costs).
 
 Timing: ``time.perf_counter`` around each call; ``--rounds`` passes over every case of
 ``--reps`` calls each, the median (p20 / p80 kept) over all of a case's calls.
@@ -84,6 +86,7 @@ def cases(quick: bool) -> list[dict]:
             out.append({"op": "decode", "B": b, "next_n": 4, "ctx": 4096, "lists": True})
         out.append({"op": "write_layer", "B": b, "next_n": 4, "ctx": 4096})
         out.append({"op": "topk_indices", "B": b, "next_n": 4, "ctx": 4096})
+        out.append({"op": "topk_indices", "B": b, "next_n": 4, "ctx": 4096, "layer": True})
     return out
 
 
@@ -91,7 +94,7 @@ def label(case: dict) -> str:
     if case["op"] == "prefill":
         return f"prefill R={case['R']} L={case['L']}"
     op = "decode + accept" if case["op"] == "decode" else case["op"]
-    form = " (lists of 1..next_n)" if case.get("lists") else ""
+    form = " (lists of 1..next_n)" if case.get("lists") else " (next layer)" if case.get("layer") else ""
     return f"{op}{form} B={case['B']} next_n={case['next_n']} ctx={case['ctx']}"
 
 
@@ -179,7 +182,7 @@ def measure(case: dict, device, reps: int) -> list[float]:
     b, n = case["B"], case["next_n"]
     cache = _cache(device, b, case["ctx"] + (reps + 1) * (n + 1))
     ids = [f"r{i}" for i in range(b)]
-    layer = cache.layer_buffers() + (cache.ape,) if case["op"] == "write_layer" else None
+    layer = cache.layer_buffers() + (cache.ape,) if case["op"] == "write_layer" or case.get("layer") else None
     _fill(cache, ids, case["ctx"], device, layer)
     step = _rows(device, b * n, 3).view(b, n, 128)
     q = torch.randn(b * n, HEADS, 128, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).to(device)
@@ -196,7 +199,11 @@ def measure(case: dict, device, reps: int) -> list[float]:
             cache.accept(ids, ones)
         else:
             cache.decode(ids, step, step)
-            times.append(_timed(lambda: cache.topk_indices(ids, q, w, index_topk=INDEX_TOPK), device))
+            if layer is not None:  # the next layer's selection: layer 0's call planned the step
+                cache.write_layer(layer[0], layer[1], step, step, layer[2])
+                cache.topk_indices(ids, q, w, index_topk=INDEX_TOPK)
+            kv = None if layer is None else layer[0]
+            times.append(_timed(lambda: cache.topk_indices(ids, q, w, index_topk=INDEX_TOPK, kv_cache=kv), device))
             cache.accept(ids, ones)
     return times[1:]
 

@@ -274,7 +274,8 @@ def test_bench_host_runs_and_renders(tmp_path, monkeypatch):
     doc = json.loads(out.read_text())
     assert [r["label"] for r in doc["records"]] == [
         "prefill R=1 L=8192", "decode + accept B=1 next_n=1 ctx=4096", "decode + accept B=1 next_n=4 ctx=4096",
-        "write_layer B=1 next_n=4 ctx=4096", "topk_indices B=1 next_n=4 ctx=4096"]
+        "write_layer B=1 next_n=4 ctx=4096", "topk_indices B=1 next_n=4 ctx=4096",
+        "topk_indices (next layer) B=1 next_n=4 ctx=4096"]
     assert all(r["reps"] == 2 and r["us"] > 0 for r in doc["records"]) and doc["environment"]["kernels"] == "stubbed"
     text = readme.read_text()
     assert "old" not in text and text.endswith("<!-- host:end -->\ntail\n") and "| topk_indices B=1" in text

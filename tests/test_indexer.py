@@ -894,6 +894,44 @@ def test_two_layers_share_one_cache_plan(backend):
         mods[1](shared, ["y"], h[:1], qr[:1], mode="decode", layer=buffers)
 
 
+def test_selection_plan_is_reused_until_the_step_changes(backend, monkeypatch):
+    """``topk_indices`` plans a step's rows once (page table, positions and counts uploaded) and
+    reuses that plan for the next call with the same requests and ``select_k`` (another layer's
+    queries), until a step, ``accept`` or another ``KPOOL_LOGITS_BUDGET_MB``. Every call's rows
+    equal the serving reference's: a stale plan (rows of the step before) fails them."""
+    run = Run(num_pages=16, max_requests=3, seed=41)
+    uploads = []
+    real_upload = cache_mod._upload
+    monkeypatch.setattr(cache_mod, "_upload", lambda t, device: uploads.append(t.shape) or real_upload(t, device))
+
+    def select(rids, planned, index_topk=16):
+        q, w = run.queries(sum(run.step[r][1] for r in rids))
+        uploads.clear()
+        out = run.cache.topk_indices(rids, q, w, index_topk=index_topk)
+        assert bool(uploads) == planned, (rids, index_topk, uploads)
+        check_against_serving(run, rids, out, q, w, index_topk)
+
+    run.prefill({"a": 41, "b": 23})
+    select(["a", "b"], planned=True)
+    select(["a", "b"], planned=False)  # the next layer's call
+    select(["b"], planned=True)  # other requests: a plan of their own
+    select(["b"], planned=False)
+    select(["b"], planned=True, index_topk=8)  # another select_k
+    monkeypatch.setenv("KPOOL_LOGITS_BUDGET_MB", str(300 / 2**20))  # row groups of a few rows
+    select(["b"], planned=True, index_topk=8)
+    select(["b"], planned=False, index_topk=8)
+    monkeypatch.delenv("KPOOL_LOGITS_BUDGET_MB")
+    select(["a", "b"], planned=True)
+    for step in (lambda: run.decode({"a": 4, "b": 4}), lambda: run.accept({"a": 1, "b": 3}),
+                 lambda: run.prefill({"a": 7, "b": 9})):  # b goes on mid-pool
+        step()  # each changes the rows of the plan the last call kept
+        select(["a", "b"], planned=True)
+        select(["a", "b"], planned=False)
+    run.prefill({"c": 30})
+    run.cache.free("b")
+    select(["a", "c"], planned=True)
+
+
 def test_checkpoint_keys_are_strict():
     """Under the layer's prefix every key must be the indexer's or a block-fp8 scale of one of its
     fp8 weights (of the right block shape); anything else raises naming the key."""

@@ -27,6 +27,7 @@ import math
 import os
 import weakref
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -87,6 +88,24 @@ class _Request:
     step_start: int = 0  # first position of the last step
     step_len: int = 0  # tokens in the last step
     step_kind: str = ""  # "prefill", "decode", or "accepted" (a decode step accept() committed)
+
+
+class _IdentityGrid(NamedTuple):
+    """Rows of a ``topk_indices`` plan that see at most ``select_k`` pools: every visible pool, then the tail."""
+    rows: int | torch.Tensor  # first output row (contiguous), or int64 output rows on the device
+    ids: torch.Tensor  # int32 [rows, select_k] visible pool ids, -1 padded
+    seq_lens: torch.Tensor  # [rows] tokens each row sees (position + 1)
+
+
+class _ScoredGrid(NamedTuple):
+    """One ``[B, n]`` grid of a ``topk_indices`` plan's long rows, scored by ``score_and_select_quantized``."""
+    rows: int | torch.Tensor  # first output row (contiguous), or int64 [B * n] rows (padding: the sink row)
+    take: int | torch.Tensor  # first query row (contiguous), or int64 [B * n] query rows to gather
+    page_table: torch.Tensor  # [B, max_pages] the grid's requests' pages
+    positions: torch.Tensor  # int64 [B, n] (-1: padding)
+    seq_lens: torch.Tensor  # [B * n] visible tokens per row
+    pool_lens: torch.Tensor  # [B * n] visible pools per row
+    max_pools: int  # most visible pools of a row
 
 
 def _fixed(name: str, doc: str) -> property:
@@ -158,6 +177,7 @@ class KPoolCache:
         self._last_write: tuple | None = None  # (kind, device tables, tokens per request) of the last step
         self._steps = 0  # prefill / decode steps taken
         self._layers: list = []  # [weakref(kv_cache), weakref(tail), steps written, signatures] of each layer pair
+        self._plan: tuple | None = None  # (key, grids) of the last topk_indices plan (_selection_plan)
         self._owned = {name: _signature(t) for name, t in self._buffers().items()}
 
     # ------------------------------------------------------------------ queries
@@ -248,6 +268,7 @@ class KPoolCache:
         for req, n in zip(reqs, num_accepted):
             req.length = req.step_start + n
             req.step_len, req.step_kind = n, "accepted"
+        self._plan = None
 
     # ------------------------------------------------------------------ steps
     def prefill(self, request_ids, keys, gates, *, cu_seqlens=None) -> StepMetadata:
@@ -273,7 +294,7 @@ class KPoolCache:
         self._write_step(write, self.kv_cache, self.tail, key, gate, self.ape)
         for req, a, n in zip(reqs, starts, lengths):
             req.step_start, req.step_len, req.step_kind, req.length = a, n, "prefill", a + n
-        self._last_write = write
+        self._last_write, self._plan = write, None
         self._steps += 1
         self.last_step = StepMetadata(
             "prefill", list(request_ids), _upload(plan.positions.to(torch.int32), dev), _upload(plan.slot_mapping, dev),
@@ -317,7 +338,7 @@ class KPoolCache:
         self._write_step(write, self.kv_cache, self.tail, key, gate, self.ape)
         for req, a, n in zip(reqs, starts, counts):
             req.step_start, req.step_len, req.step_kind, req.length = a, n, "decode", a + n
-        self._last_write = write
+        self._last_write, self._plan = write, None
         self._steps += 1
         self.last_step = StepMetadata("decode", list(request_ids), grid[3].to(torch.int32), grid[4], grid[5],
                                       _upload(table.to(torch.int32), self.device))
@@ -473,7 +494,28 @@ class KPoolCache:
         if total == 0:
             return torch.empty((0, width), dtype=torch.int32, device=self.device)
         q8, _, w = quantize_queries(q, weights, fp8_dtype=self.fp8_dtype, round_scale=self.round_scale)
-        short, items, row = [], [], 0  # short: (row0, pos0, n) runs scored by identity; items: long runs
+        grids = self._selection_plan(request_ids, reqs, counts, select_k)
+        out = None
+        with own_indices():  # the cache built every index it passes: no syncs between the grids
+            for grid in grids:
+                rows, idx = self._select_grid(grid, q8, w, kv_cache, select_k, width)
+                if len(grids) == 1 and isinstance(rows, int):  # one grid of every row, in order: the result itself
+                    return idx
+                if out is None:
+                    out = torch.empty((total + 1, width), dtype=torch.int32, device=self.device)  # row T: padding
+                _put_rows(out, rows, idx)
+        return out[:total]
+
+    def _selection_plan(self, request_ids, reqs, counts, select_k) -> list:
+        """The grids of ``topk_indices`` for the last step's rows of ``request_ids`` (``_IdentityGrid`` /
+        ``_ScoredGrid``, their index tensors uploaded), kept for the next call with the same
+        requests and ``select_k`` until the next step or ``accept``: every layer of a
+        model selects from the same step's rows, so only the first layer's call plans them."""
+        key = (tuple(request_ids), select_k, logits_budget_bytes(), scratch_bytes_per_pool(self.device))
+        if self._plan is not None and self._plan[0] == key:
+            return self._plan[1]
+        p = self.pool_size
+        short, items, row = [], [], 0  # short: (row0, pos0, n) runs selected by identity; items: long runs
         for i, (req, n) in enumerate(zip(reqs, counts)):
             a = req.step_start
             # rows at positions >= first_long see more than select_k pools
@@ -483,42 +525,28 @@ class KPoolCache:
             if a + n > first_long:
                 items.append((i, row + first_long - a, first_long, a + n - first_long, (a + n) // p))
             row += n
-        chunks = _plan_chunks(items, logits_budget_bytes(), p, scratch_bytes_per_pool(self.device)) if items else []
-        page_table = self.page_table(request_ids) if items else None
-        lone = bool(short) + len(chunks) == 1
-        out = None
-        with own_indices():  # the cache built every index it passes: no syncs between the grids
-            for rows, idx in self._grids(short, chunks, q8, w, kv_cache, page_table, select_k, width, total):
-                if lone and isinstance(rows, int):  # one grid of every row, in order: the result itself
-                    return idx
-                if out is None:
-                    out = torch.empty((total + 1, width), dtype=torch.int32, device=self.device)  # row T: padding
-                _put_rows(out, rows, idx)
-        return out[:total]
+        grids = [self._identity_grid(short, select_k)] if short else []
+        if items:
+            page_table = self.page_table(request_ids)
+            grids += [self._scored_grid(chunk, page_table, sum(counts))
+                      for chunk in _plan_chunks(items, key[2], p, key[3])]
+        self._plan = (key, grids)
+        return grids
 
-    def _grids(self, short, chunks, q8, w, kv_cache, page_table, select_k, width, total):
-        """``(rows, idx)`` of each grid of the selection, as ``_put_rows`` takes them: the short
-        rows' identity selection, then each chunk of long rows."""
-        if short:
-            yield self._identity_rows(short, select_k, width)
-        for chunk in chunks:
-            yield self._score_chunk(chunk, q8, w, kv_cache, page_table, select_k, width, total)
-
-    def _identity_rows(self, runs, select_k, width) -> tuple:
+    def _identity_grid(self, runs, select_k) -> _IdentityGrid:
         """Rows seeing at most ``select_k`` pools (``runs``: ``(first row, first position, rows)``):
-        every visible pool in order, then the tail. Returns ``(rows, idx)`` as ``_put_rows`` takes them."""
+        every visible pool in order, then the tail."""
         first_rows, starts, ms = (torch.tensor(c, dtype=torch.int64) for c in zip(*runs))
         _, seq, lens = _row_counts(concat_ranges(starts, ms), self.pool_size, self.device)
         cols = torch.arange(select_k, dtype=torch.int64, device=self.device)
         ids = torch.where(cols[None, :] < lens[:, None], cols[None, :], -1).to(torch.int32)
-        idx = expand_pools_and_append_tail(ids, seq, self.pool_size, width=width)
         if all(r1 == r0 + n0 for (r0, _, n0), (r1, _, _) in zip(runs, runs[1:])):
-            return runs[0][0], idx
-        return _upload(concat_ranges(first_rows, ms), self.device), idx
+            return _IdentityGrid(runs[0][0], ids, seq)
+        return _IdentityGrid(_upload(concat_ranges(first_rows, ms), self.device), ids, seq)
 
-    def _score_chunk(self, chunk, q8, w, kv_cache, page_table, select_k, width, total) -> tuple:
+    def _scored_grid(self, chunk, page_table, total) -> _ScoredGrid:
         """One grid ``[B, n]`` of long rows (``chunk``: items of ``_plan_chunks``, padded to the
-        longest; padding rows go to the sink row ``total``). Returns ``(rows, idx)`` as ``_put_rows`` takes them."""
+        longest; padding rows go to the sink row ``total``)."""
         reqs, first_rows, starts, ms, vis = (list(c) for c in zip(*chunk))
         dev, batch, n = self.device, len(chunk), max(ms)
         col = torch.arange(n, dtype=torch.int64)
@@ -526,20 +554,31 @@ class KPoolCache:
         pos, seq, lens = _row_counts(torch.tensor(starts)[:, None].add(col).masked_fill_(pad, -1), self.pool_size, dev)
         r0 = first_rows[0]
         if all(m == n for m in ms) and first_rows == list(range(r0, r0 + batch * n, n)):  # contiguous: no gathers
-            q8c, wc, rows = q8[r0:r0 + batch * n], w[r0:r0 + batch * n], r0
+            rows = take = r0
         else:
             rows = _upload(torch.tensor(first_rows)[:, None].add(col).masked_fill_(pad, total).reshape(-1), dev)
-            src = rows.clamp(max=total - 1)
-            q8c, wc = q8.index_select(0, src), w.index_select(0, src)
+            take = rows.clamp(max=total - 1)
         if reqs == list(range(reqs[0], reqs[0] + batch)):
             pt = page_table[reqs[0]:reqs[0] + batch]
         else:
             pt = page_table.index_select(0, _upload(torch.tensor(reqs, dtype=torch.int64), dev))
+        return _ScoredGrid(rows, take, pt, pos, seq, lens, max(vis))
+
+    def _select_grid(self, grid, q8, w, kv_cache, select_k, width) -> tuple:
+        """``(rows, idx)`` of one planned grid, as ``_put_rows`` takes them, for this call's
+        quantized queries ``q8`` / folded weights ``w`` and ``kv_cache``."""
+        if isinstance(grid, _IdentityGrid):
+            return grid.rows, expand_pools_and_append_tail(grid.ids, grid.seq_lens, self.pool_size, width=width)
+        batch, n = grid.positions.shape
+        if isinstance(grid.take, int):
+            q8c, wc = q8[grid.take:grid.take + batch * n], w[grid.take:grid.take + batch * n]
+        else:
+            q8c, wc = q8.index_select(0, grid.take), w.index_select(0, grid.take)
         idx = score_and_select_quantized(
-            q8c.reshape(batch, n, *q8.shape[1:]), wc.reshape(batch, n, w.shape[1]), kv_cache, pt,
-            pos, pool_size=self.pool_size, select_k=select_k, width=width, max_pools=max(vis),
-            layout=self.layout, fp8_dtype=self.fp8_dtype, counts=(seq, lens))
-        return rows, idx
+            q8c.reshape(batch, n, *q8.shape[1:]), wc.reshape(batch, n, w.shape[1]), kv_cache, grid.page_table,
+            grid.positions, pool_size=self.pool_size, select_k=select_k, width=width, max_pools=grid.max_pools,
+            layout=self.layout, fp8_dtype=self.fp8_dtype, counts=(grid.seq_lens, grid.pool_lens))
+        return grid.rows, idx
 
     # ------------------------------------------------------------------ helpers
     def _get(self, request_id) -> _Request:
