@@ -897,8 +897,9 @@ def test_two_layers_share_one_cache_plan(backend):
 def test_selection_plan_is_reused_until_the_step_changes(backend, monkeypatch):
     """``topk_indices`` plans a step's rows once (page table, positions and counts uploaded) and
     reuses that plan for the next call with the same requests and ``select_k`` (another layer's
-    queries), until a step, ``accept`` or another ``KPOOL_LOGITS_BUDGET_MB``. Every call's rows
-    equal the serving reference's: a stale plan (rows of the step before) fails them."""
+    queries), until a step, ``accept``, ``free`` or another ``KPOOL_LOGITS_BUDGET_MB``. Every
+    call's rows equal the serving reference's: a stale plan (rows of the step before) fails
+    them, and a freed request raises."""
     run = Run(num_pages=16, max_requests=3, seed=41)
     uploads = []
     real_upload = cache_mod._upload
@@ -928,7 +929,10 @@ def test_selection_plan_is_reused_until_the_step_changes(backend, monkeypatch):
         select(["a", "b"], planned=True)
         select(["a", "b"], planned=False)
     run.prefill({"c": 30})
+    select(["a", "b"], planned=True)
     run.cache.free("b")
+    with pytest.raises(KeyError, match="freed"):  # not the kept plan's rows
+        run.cache.topk_indices(["a", "b"], *run.queries(16), index_topk=16)
     select(["a", "c"], planned=True)
 
 

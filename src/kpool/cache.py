@@ -108,6 +108,13 @@ class _ScoredGrid(NamedTuple):
     max_pools: int  # most visible pools of a row
 
 
+class _SelectionPlan(NamedTuple):
+    """What ``topk_indices`` plans once per step for a list of requests (``KPoolCache._selection_plan``)."""
+    key: tuple  # (request ids, select_k, scratch budget, scratch bytes per pool)
+    counts: list  # rows (tokens of the last step) per request
+    grids: list  # _IdentityGrid / _ScoredGrid, in the order their rows are written
+
+
 def _fixed(name: str, doc: str) -> property:
     """A read-only attribute of ``KPoolCache._config``."""
     return property(lambda self: self._config[name], doc=doc)
@@ -177,7 +184,7 @@ class KPoolCache:
         self._last_write: tuple | None = None  # (kind, device tables, tokens per request) of the last step
         self._steps = 0  # prefill / decode steps taken
         self._layers: list = []  # [weakref(kv_cache), weakref(tail), steps written, signatures] of each layer pair
-        self._plan: tuple | None = None  # (key, grids) of the last topk_indices plan (_selection_plan)
+        self._plan: _SelectionPlan | None = None  # the last topk_indices plan (_selection_plan)
         self._owned = {name: _signature(t) for name, t in self._buffers().items()}
 
     # ------------------------------------------------------------------ queries
@@ -244,6 +251,7 @@ class KPoolCache:
         self._free_blocks.append(req.block)
         self._block_pages[req.block] = -1
         del self._requests[request_id]
+        self._plan = None  # a plan's requests are live: topk_indices of a freed id raises
 
     def accept(self, request_ids, num_accepted) -> None:
         """Commit the first ``num_accepted[i]`` tokens of each request's last decode step; roll back the rest.
@@ -467,14 +475,10 @@ class KPoolCache:
         token positions.
         """
         request_ids = list(request_ids)
-        if len(set(request_ids)) != len(request_ids):
-            raise ValueError("request_ids must not repeat in topk_indices")
-        reqs = [self._get(r) for r in request_ids]
-        p = self.pool_size
-        width = selection_width(index_topk, width, p)
-        select_k = index_topk // p
-        counts = [r.step_len for r in reqs]
-        total = sum(counts)
+        width = selection_width(index_topk, width, self.pool_size)
+        select_k = index_topk // self.pool_size
+        plan = self._selection_plan(request_ids, select_k)
+        counts, total = plan.counts, sum(plan.counts)
         check_tensor("q", q, dtype=torch.bfloat16, ndim=3, device=self.device)
         if q.shape[0] != total or q.shape[2] != HEAD_DIM:
             raise ValueError(f"q must have shape [T={total}, H, {HEAD_DIM}] (T = the tokens of the listed requests' "
@@ -494,26 +498,29 @@ class KPoolCache:
         if total == 0:
             return torch.empty((0, width), dtype=torch.int32, device=self.device)
         q8, _, w = quantize_queries(q, weights, fp8_dtype=self.fp8_dtype, round_scale=self.round_scale)
-        grids = self._selection_plan(request_ids, reqs, counts, select_k)
         out = None
         with own_indices():  # the cache built every index it passes: no syncs between the grids
-            for grid in grids:
+            for grid in plan.grids:
                 rows, idx = self._select_grid(grid, q8, w, kv_cache, select_k, width)
-                if len(grids) == 1 and isinstance(rows, int):  # one grid of every row, in order: the result itself
+                if len(plan.grids) == 1 and isinstance(rows, int):  # one grid of every row, in order: the result
                     return idx
                 if out is None:
                     out = torch.empty((total + 1, width), dtype=torch.int32, device=self.device)  # row T: padding
                 _put_rows(out, rows, idx)
         return out[:total]
 
-    def _selection_plan(self, request_ids, reqs, counts, select_k) -> list:
-        """The grids of ``topk_indices`` for the last step's rows of ``request_ids`` (``_IdentityGrid`` /
-        ``_ScoredGrid``, their index tensors uploaded), kept for the next call with the same
-        requests and ``select_k`` until the next step or ``accept``: every layer of a
+    def _selection_plan(self, request_ids, select_k) -> _SelectionPlan:
+        """The rows of ``topk_indices`` for the last step of ``request_ids`` (validated: live, no
+        repeats) and their grids, index tensors uploaded. Kept for the next call with the same
+        requests and ``select_k`` until the next step, ``accept`` or ``free``: every layer of a
         model selects from the same step's rows, so only the first layer's call plans them."""
         key = (tuple(request_ids), select_k, logits_budget_bytes(), scratch_bytes_per_pool(self.device))
-        if self._plan is not None and self._plan[0] == key:
-            return self._plan[1]
+        if self._plan is not None and self._plan.key == key:
+            return self._plan
+        if len(set(request_ids)) != len(request_ids):
+            raise ValueError("request_ids must not repeat in topk_indices")
+        reqs = [self._get(r) for r in request_ids]
+        counts = [r.step_len for r in reqs]
         p = self.pool_size
         short, items, row = [], [], 0  # short: (row0, pos0, n) runs selected by identity; items: long runs
         for i, (req, n) in enumerate(zip(reqs, counts)):
@@ -527,11 +534,10 @@ class KPoolCache:
             row += n
         grids = [self._identity_grid(short, select_k)] if short else []
         if items:
-            page_table = self.page_table(request_ids)
-            grids += [self._scored_grid(chunk, page_table, sum(counts))
-                      for chunk in _plan_chunks(items, key[2], p, key[3])]
-        self._plan = (key, grids)
-        return grids
+            page_table = _upload(self._table(reqs).to(torch.int32), self.device)
+            grids += [self._scored_grid(chunk, page_table, row) for chunk in _plan_chunks(items, key[2], p, key[3])]
+        self._plan = _SelectionPlan(key, counts, grids)
+        return self._plan
 
     def _identity_grid(self, runs, select_k) -> _IdentityGrid:
         """Rows seeing at most ``select_k`` pools (``runs``: ``(first row, first position, rows)``):
