@@ -107,14 +107,15 @@ def stubs() -> dict:
     def quantize_queries(q, weights, **kwargs):
         return torch.empty(q.shape, dtype=torch.uint8), None, torch.empty(weights.shape)
 
-    def score_and_select_quantized(q8, w, kv_cache, page_table, positions, *, width, **kwargs):
-        return torch.empty((positions.numel(), width), dtype=torch.int32)
+    def launch_paged_pool_topk(q8, kv_cache, w, pool_lens, page_table, select_k, fp8_dtype, layout, max_pools,
+                               expand):
+        return torch.empty((pool_lens.numel(), expand[2]), dtype=torch.int32)
 
     def expand(ids, seq_lens, pool_size, *, width):
         return torch.empty((ids.shape[0], width), dtype=torch.int32)
 
     return {"launch_prefill": launch, "launch_decode_update": launch,
-            "quantize_queries": quantize_queries, "score_and_select_quantized": score_and_select_quantized,
+            "quantize_queries": quantize_queries, "launch_paged_pool_topk": launch_paged_pool_topk,
             "expand_pools_and_append_tail": expand}
 
 

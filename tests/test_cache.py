@@ -1065,6 +1065,33 @@ def test_write_layer_matches_a_cache_of_its_own(backend):
 
 
 
+def test_topk_indices_reads_only_unchanged_buffers(backend):
+    """``topk_indices`` scores through the unchecked launcher (``launch_paged_pool_topk``): the
+    cache's own kv_cache, or a layer's, replaced or changed in place since it was allocated
+    raises before anything is launched; put back, it is read again."""
+    g = torch.Generator().manual_seed(91)
+    ape = (torch.randn(4, D, generator=g) * 0.5).to(DEVICE)
+    c = KPoolCache(8, page_size=16, pool_size=4, max_requests=1, max_spec_tokens=1, ape=ape, device=DEVICE)
+    kv1, tail1 = c.layer_buffers()
+    k, gt = Tokens(92)(40)
+    c.prefill(["z"], [k], [gt])
+    c.write_layer(kv1, tail1, [k], [gt], ape)
+    q = torch.randn(40, 16, D, generator=g).to(torch.bfloat16).to(DEVICE)
+    w = torch.randn(40, 16, generator=g).to(DEVICE)
+    want = c.topk_indices(["z"], q, w, index_topk=8)  # select_k = 2: the rows from position 11 on are scored
+    assert torch.equal(c.topk_indices(["z"], q, w, index_topk=8, kv_cache=kv1), want)  # the same keys
+    own = c.kv_cache
+    for kv, change, undo, since in (
+            (None, lambda: setattr(c, "kv_cache", own.clone()), lambda: setattr(c, "kv_cache", own),
+             "the cache allocated it"),
+            (kv1, lambda: kv1.resize_(1, 16, 132), lambda: kv1.resize_(own.shape), r"layer_buffers\(\) gave it")):
+        change()
+        with pytest.raises(ValueError, match=rf"^kv_cache \(.*not the buffer it was when {since}"):
+            c.topk_indices(["z"], q, w, index_topk=8, kv_cache=kv)
+        undo()
+        assert torch.equal(c.topk_indices(["z"], q, w, index_topk=8, kv_cache=kv), want)
+
+
 def test_configuration_is_read_only():
     """The sizes and formats a cache was built with cannot be re-bound: its steps launch their
     kernels with them unchecked (a P above the ape's rows would read past it)."""

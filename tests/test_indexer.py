@@ -422,15 +422,15 @@ def test_logits_budget_chunks_rows(monkeypatch):
     q, w = run.queries(77)
     full = run.cache.topk_indices(["a", "b", "c"], q, w, index_topk=16)
     calls = []
-    orig = cache_mod.paged_pool_topk
+    orig = cache_mod.launch_paged_pool_topk
 
-    def spy(q8, kv, wts, lens, pt, select_k, **kw):
+    def spy(q8, kv, wts, lens, pt, select_k, fp8_dtype, layout, max_pools, expand):
         # the cache built the page table and positions: no range check (a host sync) per grid
         assert not range_checks_enabled()
-        calls.append((q8.shape[0] * q8.shape[1], kw["max_pools"]))
-        return orig(q8, kv, wts, lens, pt, select_k, **kw)
+        calls.append((q8.shape[0] * q8.shape[1], max_pools))
+        return orig(q8, kv, wts, lens, pt, select_k, fp8_dtype, layout, max_pools, expand)
 
-    monkeypatch.setattr(cache_mod, "paged_pool_topk", spy)
+    monkeypatch.setattr(cache_mod, "launch_paged_pool_topk", spy)
     assert len(calls) == 0
     run.cache.topk_indices(["a", "b", "c"], q, w, index_topk=16)
     assert len(calls) == 1  # the default budget: one grid (3 requests padded to the longest scored run)

@@ -41,7 +41,7 @@ from .ops.logits import check_heads
 from .ops.prefill import launch_prefill
 from .ops.quant import quantize_queries, quantize_queries_and_counts
 from .ops.select import expand_pools_and_append_tail, visible_counts
-from .ops.score import paged_pool_topk
+from .ops.score import launch_paged_pool_topk, paged_pool_topk
 from .planning import concat_ranges, prefill_plan, slot_mappings
 
 LOGITS_BUDGET_ENV = "KPOOL_LOGITS_BUDGET_MB"
@@ -98,7 +98,8 @@ class _IdentityGrid(NamedTuple):
 
 
 class _ScoredGrid(NamedTuple):
-    """One ``[B, n]`` grid of a ``topk_indices`` plan's long rows, scored by ``score_and_select_quantized``."""
+    """One ``[B, n]`` grid of a ``topk_indices`` plan's long rows (each sees more than ``select_k`` pools), scored
+    by ``launch_paged_pool_topk``."""
     rows: int | torch.Tensor  # first output row (contiguous), or int64 [B * n] rows (padding: the sink row)
     take: int | torch.Tensor  # first query row (contiguous), or int64 [B * n] query rows to gather
     page_table: torch.Tensor  # [B, max_pages] the grid's requests' pages
@@ -486,15 +487,17 @@ class KPoolCache:
         heads = q.shape[1]
         check_heads("q", heads)
         check_tensor("weights", weights, dtype=torch.float32, shape=(total, heads), device=self.device)
-        if kv_cache is None:
+        if kv_cache is None or kv_cache is self.kv_cache:
             kv_cache = self.kv_cache
-        elif kv_cache is not self.kv_cache:
+            _check_unchanged({"kv_cache": kv_cache}, self._owned, "the cache allocated it")
+        else:
             layer = self._layer(kv_cache)
             if layer is None:
                 raise ValueError("kv_cache must be this cache's or one from its layer_buffers()")
             if layer[2] != self._steps:
                 raise ValueError(f"kv_cache has received {layer[2]} of the cache's {self._steps} steps: write_layer "
                                  "every step into it before selecting from it")
+            _check_unchanged({"kv_cache": kv_cache}, layer[3], "layer_buffers() gave it")
         if total == 0:
             return torch.empty((0, width), dtype=torch.int32, device=self.device)
         q8, _, w = quantize_queries(q, weights, fp8_dtype=self.fp8_dtype, round_scale=self.round_scale)
@@ -580,10 +583,13 @@ class KPoolCache:
             q8c, wc = q8[grid.take:grid.take + batch * n], w[grid.take:grid.take + batch * n]
         else:
             q8c, wc = q8.index_select(0, grid.take), w.index_select(0, grid.take)
-        idx = score_and_select_quantized(
-            q8c.reshape(batch, n, *q8.shape[1:]), wc.reshape(batch, n, w.shape[1]), kv_cache, grid.page_table,
-            grid.positions, pool_size=self.pool_size, select_k=select_k, width=width, max_pools=grid.max_pools,
-            layout=self.layout, fp8_dtype=self.fp8_dtype, counts=(grid.seq_lens, grid.pool_lens))
+        # every row of the grid sees more than select_k pools (the plan's long rows): scored, by the
+        # launcher without the public op's checks (the cache built the rows' tables; q8 / w come
+        # from checked queries, kv_cache is checked unchanged by topk_indices)
+        idx = launch_paged_pool_topk(
+            q8c.reshape(batch, n, *q8.shape[1:]), kv_cache, wc.reshape(batch, n, w.shape[1]),
+            grid.pool_lens.view(batch, n), grid.page_table, select_k, self.fp8_dtype, self.layout, grid.max_pools,
+            (grid.seq_lens, self.pool_size, width))
         return grid.rows, idx
 
     # ------------------------------------------------------------------ helpers
@@ -808,8 +814,9 @@ def _check_index_topk(index_topk, pool_size: int) -> None:
 
 def score_and_select_quantized(q8, w, kv_cache, page_table, positions, *, pool_size, select_k, width=None,
                                max_pools=None, layout=None, fp8_dtype=None, counts=None) -> torch.Tensor:
-    """Device part of ``KPoolCache.topk_indices`` for one grid of rows (no host syncs when
-    ``KPOOL_CHECK=0`` or under CUDA-graph capture).
+    """Device part of ``KPoolCache.topk_indices`` for one grid of rows, as a checked function of
+    tensors an engine holds (no host syncs when ``KPOOL_CHECK=0`` or under CUDA-graph capture);
+    the cache's own grids go to ``launch_paged_pool_topk`` unchecked.
 
     Parameters
     ----------

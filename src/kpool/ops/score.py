@@ -366,15 +366,26 @@ def paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, *
     order when there are at most ``select_k``; -1 padding), computed without a logits row;
     with ``expand``, int32 ``[B * next_n, width]`` tokens.
     """
-    fp8_dtype, layout, max_pools, limit = check_paged_args(q_fp8, kv_cache, weights, pool_lens, page_table, layout,
-                                                           fp8_dtype, max_pools)
+    fp8_dtype, layout, max_pools, _ = check_paged_args(q_fp8, kv_cache, weights, pool_lens, page_table, layout,
+                                                       fp8_dtype, max_pools)
     check_positive_int("select_k", select_k)
+    if expand is not None:
+        expand = _check_expand(expand, q_fp8.shape[0] * q_fp8.shape[1], select_k, q_fp8.device)
+    return launch_paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, fp8_dtype, layout,
+                                  max_pools, expand)
+
+
+def launch_paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, fp8_dtype, layout, max_pools,
+                           expand):
+    """``paged_pool_topk`` of arguments already validated (by it, or built by ``KPoolCache`` for
+    its own rows and buffers), ``fp8_dtype`` / ``layout`` / ``max_pools`` resolved and ``expand``
+    None or ``(seq_lens, pool_size, width)`` with an int ``width``: the torch reference or the
+    launches, no checks (they cost every layer's selection host time)."""
     device = q_fp8.device
     batch, next_n, heads = q_fp8.shape[:3]
     rows = batch * next_n
     lens = pool_lens.reshape(rows)
-    if expand is not None:
-        expand = _check_expand(expand, rows, select_k, device)
+    limit = min(max_pools, page_table.shape[1] * kv_cache.shape[1])  # the most pools a row may see
     if backend_for(device) == "torch":
         logits = reference.paged_pool_logits(q_fp8.view(torch.uint8), kv_cache, weights, pool_lens, page_table,
                                              layout, fp8_dtype, max_pools)
