@@ -103,7 +103,7 @@ class _ScoredGrid(NamedTuple):
     rows: int | torch.Tensor  # first output row (contiguous), or int64 [B * n] rows (padding: the sink row)
     take: int | torch.Tensor  # first query row (contiguous), or int64 [B * n] query rows to gather
     page_table: torch.Tensor  # [B, max_pages] the grid's requests' pages
-    positions: torch.Tensor  # int64 [B, n] (-1: padding)
+    shape: tuple  # (B, n)
     seq_lens: torch.Tensor  # [B * n] visible tokens per row
     pool_lens: torch.Tensor  # [B * n] visible pools per row
     max_pools: int  # most visible pools of a row
@@ -234,7 +234,11 @@ class KPoolCache:
 
     def page_table(self, request_ids) -> torch.Tensor:
         """int32 ``[R, max_pages]`` pages of each request (pool granularity, -1 padded)."""
-        return _upload(self._table([self._get(r) for r in request_ids]).to(torch.int32), self.device)
+        return self._device_table([self._get(r) for r in request_ids])
+
+    def _device_table(self, reqs) -> torch.Tensor:
+        """``_table(reqs)`` as int32 on the cache's device."""
+        return _upload(self._table(reqs).to(torch.int32), self.device)
 
     def pooled_keys(self, request_id) -> tuple[torch.Tensor, torch.Tensor]:
         """Stored entries of the request's complete committed pools, in pool order:
@@ -537,7 +541,7 @@ class KPoolCache:
             row += n
         grids = [self._identity_grid(short, select_k)] if short else []
         if items:
-            page_table = _upload(self._table(reqs).to(torch.int32), self.device)
+            page_table = self._device_table(reqs)
             grids += [self._scored_grid(chunk, page_table, row) for chunk in _plan_chunks(items, key[2], p, key[3])]
         self._plan = _SelectionPlan(key, counts, grids)
         return self._plan
@@ -546,7 +550,7 @@ class KPoolCache:
         """Rows seeing at most ``select_k`` pools (``runs``: ``(first row, first position, rows)``):
         every visible pool in order, then the tail."""
         first_rows, starts, ms = (torch.tensor(c, dtype=torch.int64) for c in zip(*runs))
-        _, seq, lens = _row_counts(concat_ranges(starts, ms), self.pool_size, self.device)
+        seq, lens = _row_counts(concat_ranges(starts, ms), self.pool_size, self.device)
         cols = torch.arange(select_k, dtype=torch.int64, device=self.device)
         ids = torch.where(cols[None, :] < lens[:, None], cols[None, :], -1).to(torch.int32)
         if all(r1 == r0 + n0 for (r0, _, n0), (r1, _, _) in zip(runs, runs[1:])):
@@ -560,7 +564,7 @@ class KPoolCache:
         dev, batch, n = self.device, len(chunk), max(ms)
         col = torch.arange(n, dtype=torch.int64)
         pad = col[None, :] >= torch.tensor(ms)[:, None]  # [B, n]
-        pos, seq, lens = _row_counts(torch.tensor(starts)[:, None].add(col).masked_fill_(pad, -1), self.pool_size, dev)
+        seq, lens = _row_counts(torch.tensor(starts)[:, None].add(col).masked_fill_(pad, -1), self.pool_size, dev)
         r0 = first_rows[0]
         if all(m == n for m in ms) and first_rows == list(range(r0, r0 + batch * n, n)):  # contiguous: no gathers
             rows = take = r0
@@ -571,14 +575,14 @@ class KPoolCache:
             pt = page_table[reqs[0]:reqs[0] + batch]
         else:
             pt = page_table.index_select(0, _upload(torch.tensor(reqs, dtype=torch.int64), dev))
-        return _ScoredGrid(rows, take, pt, pos, seq, lens, max(vis))
+        return _ScoredGrid(rows, take, pt, (batch, n), seq, lens, max(vis))
 
     def _select_grid(self, grid, q8, w, kv_cache, select_k, width) -> tuple:
         """``(rows, idx)`` of one planned grid, as ``_put_rows`` takes them, for this call's
         quantized queries ``q8`` / folded weights ``w`` and ``kv_cache``."""
         if isinstance(grid, _IdentityGrid):
             return grid.rows, expand_pools_and_append_tail(grid.ids, grid.seq_lens, self.pool_size, width=width)
-        batch, n = grid.positions.shape
+        batch, n = grid.shape
         if isinstance(grid.take, int):
             q8c, wc = q8[grid.take:grid.take + batch * n], w[grid.take:grid.take + batch * n]
         else:
@@ -775,12 +779,12 @@ def _upload(t: torch.Tensor, device) -> torch.Tensor:
 
 
 def _row_counts(pos: torch.Tensor, pool_size: int, device) -> tuple:
-    """Host int64 positions ``pos [...]`` (negative = padding row) -> ``(pos, seq_lens,
-    pool_lens)`` on ``device`` in one upload: the positions (same shape) and, flattened,
-    ``select.visible_counts`` of them, computed on the host (``reference.visible_counts``, where
-    the cache built them) instead of in a launch of their own."""
-    rows = _upload(torch.stack((pos, *reference.visible_counts(pos, pool_size))).reshape(3, -1), device)
-    return rows[0].view(pos.shape), rows[1], rows[2]
+    """Host int64 positions ``pos [...]`` (negative = padding row) -> ``(seq_lens, pool_lens)``
+    ``[pos.numel()]`` on ``device`` in one upload: ``select.visible_counts`` of them, computed on
+    the host (``reference.visible_counts``, where the cache built them) instead of in a launch
+    of their own."""
+    rows = _upload(torch.stack(reference.visible_counts(pos, pool_size)).reshape(2, -1), device)
+    return rows[0], rows[1]
 
 
 def _put_rows(out, rows, idx) -> None:
