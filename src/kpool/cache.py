@@ -35,7 +35,7 @@ from . import reference
 from ._backend import backend_for
 from ._checks import (check_bool, check_device_type, check_page_layout, check_positive_int, check_slot_count,
                       check_tensor, int_list, own_indices)
-from .layout import ENTRY_BYTES, HEAD_DIM, read_entries, resolve_fp8_dtype, resolve_layout, ring_size
+from .layout import ENTRY_BYTES, HEAD_DIM, cdiv, read_entries, resolve_fp8_dtype, resolve_layout, ring_size
 from .ops.decode import launch_decode_update
 from .ops.logits import check_heads
 from .ops.prefill import launch_prefill
@@ -668,7 +668,7 @@ class KPoolCache:
             raise CacheCapacityError(f"too many requests: {len(new_ids)} new, {len(self._free_blocks)} ring blocks "
                                      f"free (max_requests = {self.tail.shape[0]})")
         have = [len(self._requests[r].pages) if r in self._requests else 0 for r in request_ids]
-        need = [max(-(-(length // self.pool_size) // self.page_size) - h, 0) for length, h in zip(new_lengths, have)]
+        need = [max(cdiv(length // self.pool_size, self.page_size) - h, 0) for length, h in zip(new_lengths, have)]
         total = sum(need)
         if total > len(self._free_pages):
             raise CacheCapacityError(f"out of pages: the step needs {total}, {len(self._free_pages)} free")

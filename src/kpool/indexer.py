@@ -30,7 +30,7 @@ from torch import nn
 
 from ._checks import check_positive_int, check_tensor
 from .cache import KPoolCache, selection_width
-from .layout import HEAD_DIM
+from .layout import HEAD_DIM, cdiv
 from .ops.logits import check_heads
 
 _NAMES = ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight",
@@ -255,7 +255,7 @@ def _dequantize_block_fp8(sub: dict, prefix: str) -> dict:
             continue
         scale = sub[scales[wkey]]
         rows, cols = weight.shape
-        want = (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
+        want = (cdiv(rows, FP8_BLOCK), cdiv(cols, FP8_BLOCK))
         if tuple(scale.shape) != want:
             raise ValueError(f"{prefix}{scales[wkey]} must have shape {list(want)} for a {list(weight.shape)} "
                              f"weight, got {list(scale.shape)}")

@@ -95,7 +95,7 @@ def ring_size(pool_size: int, num_spec_tokens: int = 0) -> int:
     Always a multiple of ``P`` and at least ``P + num_spec_tokens``.
     """
     groups = cdiv(pool_size + num_spec_tokens, pool_size)
-    return pool_size * (1 << (groups - 1).bit_length())
+    return pool_size * next_pow2(groups)
 
 
 def key_byte_offset(state: torch.Tensor, dim: torch.Tensor, layout: str) -> torch.Tensor:

@@ -415,11 +415,15 @@ def _max_value(t: torch.Tensor) -> int | None:
     return int(t.max())
 
 
+def pool_limit(max_pools: int, page_table, kv_cache) -> int:
+    """The most pools a row of the paged scoring ops may see: ``min(max_pools, max_pages * PAGE)``."""
+    return min(max_pools, page_table.shape[1] * kv_cache.shape[1])
+
+
 def check_paged_args(q_fp8, kv_cache, weights, pool_lens, page_table, layout, fp8_dtype, max_pools):
     """Validate the arguments of the paged scoring ops (``paged_pool_logits``).
 
-    Returns ``(fp8_dtype, layout, max_pools, limit)`` resolved, ``limit`` being
-    ``min(max_pools, max_pages * PAGE)``, the most pools a row may see.
+    Returns ``(fp8_dtype, layout, max_pools, limit)`` resolved, ``limit`` being ``pool_limit``.
     """
     check_tensor("q_fp8", q_fp8, dtype=CODE_DTYPES, ndim=4, inner_contiguous=True)
     device = q_fp8.device
@@ -440,7 +444,7 @@ def check_paged_args(q_fp8, kv_cache, weights, pool_lens, page_table, layout, fp
         max_pools = covered
     if not isinstance(max_pools, int) or isinstance(max_pools, bool) or max_pools < 0:
         raise ValueError(f"max_pools must be a non-negative int, got {max_pools!r}")
-    limit = min(max_pools, covered)
+    limit = pool_limit(max_pools, page_table, kv_cache)
     top = _max_value(pool_lens)
     if top is not None and top > limit:
         raise ValueError(f"pool_lens holds {top}, more than min(max_pools={max_pools}, max_pages*PAGE={covered})")

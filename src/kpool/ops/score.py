@@ -51,8 +51,8 @@ from ..layout import cdiv, fp8_max, next_pow2
 from . import _pdl, select, topk
 from ._jit_fp8 import halves_table
 from .logits import (MIN_FILTER_ERROR, approx_block_logits, bound_keys, check_paged_args, decode_args,
-                     logit_error_scale, paged_tile, paged_tile_logits, pool_entries, query_halves, query_values,
-                     row_query, tile_pages)
+                     logit_error_scale, paged_tile, paged_tile_logits, pool_entries, pool_limit, query_halves,
+                     query_values, row_query, tile_pages)
 
 BLOCK_POOLS = 64  # pools per scoring tile: the MMA's M (one wgmma warpgroup on Hopper)
 NUM_WARPS = 4
@@ -255,7 +255,7 @@ def filters(chunk: int, kb: int, n_chunks: int, n_cols: int, select_k: int) -> b
     full = max(n_cols // chunk, 1)
     fits = chunk <= kb or (chunk <= 2 * kb and full * topk.MIN_KB >= FILTER_WIDE_HEADS * select_k)
     return (scorer() == "filter" and n_chunks >= 2 and max(FILTER_MIN_CHUNK, topk.MIN_KB) <= chunk and fits
-            and -(-select_k // full) <= FILTER_MAX_RANK)
+            and cdiv(select_k, full) <= FILTER_MAX_RANK)
 
 
 def wide_plan(rows: int, n_cols: int, select_k: int, device) -> tuple:
@@ -385,7 +385,7 @@ def launch_paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, sele
     batch, next_n, heads = q_fp8.shape[:3]
     rows = batch * next_n
     lens = pool_lens.reshape(rows)
-    limit = min(max_pools, page_table.shape[1] * kv_cache.shape[1])  # the most pools a row may see
+    limit = pool_limit(max_pools, page_table, kv_cache)
     if backend_for(device) == "torch":
         logits = reference.paged_pool_logits(q_fp8.view(torch.uint8), kv_cache, weights, pool_lens, page_table,
                                              layout, fp8_dtype, max_pools)
