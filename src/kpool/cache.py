@@ -128,12 +128,13 @@ def _signature(t: torch.Tensor) -> tuple:
 
 def _check_unchanged(buffers: dict, signatures: dict, since: str) -> None:
     """Each named buffer is the tensor it was when ``since`` (not re-bound, resized, re-typed or
-    re-pointed in place): the steps write through it without the public ops' checks."""
+    re-pointed in place): the steps write through it, and ``topk_indices`` reads it, without the
+    public ops' checks."""
     for name, t in buffers.items():
         if not torch.is_tensor(t) or _signature(t) != signatures[name]:
             what = f"{t.dtype} {list(t.shape)}, strides {t.stride()}" if torch.is_tensor(t) else type(t).__name__
             raise ValueError(f"{name} ({what}) is not the buffer it was when {since} (changed in place or "
-                             "replaced): the cache writes through these buffers without re-checking them")
+                             "replaced): the cache writes and reads these buffers without re-checking them")
 
 
 class KPoolCache:
