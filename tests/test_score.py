@@ -305,24 +305,29 @@ def test_filter_bounds_hold_under_the_whole_error_budget(device, monkeypatch, fi
     assert used == [True] * 4  # two cases, ids and tokens each
 
 
-def test_filter_bounds_with_negative_key_scales(device, monkeypatch, filter_choices):
-    """A key entry with a negative scale (garbage: the writers store positive ones) still gets
-    a lower key below and an upper bound above its exact logit (the error scales with
-    ``|kscale|``), so the filtered selection equals the exact reference's."""
+def test_filter_bounds_with_unusual_key_scales_and_weights(device, monkeypatch, filter_choices):
+    """Entries the writers never store and rows of absurdly small weights still select exactly:
+    a key scale that is negative, above 2^32 or below 2^-32 makes the pool a survivor
+    (``approx_block_logits`` sums a pool's heads before scaling them, which such scales would
+    take out of the error budget; row 0: filtering them like other pools picks wrong ids), and
+    so does every pool of a row whose error scale is under 2^-80 (row 1: subnormal weights, where
+    fp32 underflow, not the MMA, sets the error; its selection is then the exact one of all pools)."""
     monkeypatch.setenv("KPOOL_BACKEND", "triton")
     monkeypatch.setenv(score.SCORER_ENV, "filter")
     used = filter_choices
     fp8, page, n_pools, select_k = FP8[0], 64, 384, 128
     g = torch.Generator().manual_seed(0)
-    kv = torch.zeros(n_pools // page, page, 132, dtype=torch.uint8)
-    scales = torch.full((n_pools,), 2.0**-8)
-    scales[::5] *= -1  # their dots change sign: most heads relu to 0, the row's best logits
-    write_entries(kv, torch.arange(n_pools), (torch.randn(n_pools, 128, generator=g) * 8).to(fp8).view(torch.uint8),
-                  scales, "plain")
-    q = (torch.randn(1, 1, 16, 128, generator=g) * 8).to(fp8)
-    w = -torch.rand(1, 1, 16, generator=g)
-    pt = torch.randperm(n_pools // page, generator=g)[None].int()
-    lens = torch.tensor([[n_pools]], dtype=torch.int32)
+    kv = torch.zeros(2 * n_pools // page, page, 132, dtype=torch.uint8)
+    scales = torch.full((2 * n_pools,), 2.0**-8)
+    scales[::5] *= -1
+    scales[1::7], scales[2::7] = 2.0**40, 2.0**-40
+    write_entries(kv, torch.arange(2 * n_pools),
+                  (torch.randn(2 * n_pools, 128, generator=g) * 8).to(fp8).view(torch.uint8), scales, "plain")
+    q = (torch.randn(2, 1, 16, 128, generator=g) * 8).to(fp8)
+    w = torch.rand(2, 1, 16, generator=g)  # row 0: a negative scale's pool scores relu(-dot), often among the best
+    w[1] *= 2.0**-146  # row 1: subnormal weights, the logits a few units of 2^-149
+    pt = torch.randperm(2 * n_pools // page, generator=g).view(2, -1).int()
+    lens = torch.tensor([[n_pools], [n_pools]], dtype=torch.int32)
     args = [t.to(device) for t in (q, kv, w, lens, pt)]
     got = paged_pool_topk(*args, select_k, layout="plain").cpu()
     logits = reference.paged_pool_logits(q.view(torch.uint8), kv, w, lens, pt, "plain", fp8, n_pools)

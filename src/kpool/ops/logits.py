@@ -198,6 +198,11 @@ def _weighted_heads(dot, nan, kscale, w, BN: tl.constexpr, H: tl.constexpr, R: t
 L1_ROUND_UP = tl.constexpr(1.0 + 2.0**-10)  # > (1 + 2^-24)^128: fp32 summation error of 128 terms
 MIN_FILTER_ERROR = 2.0**-16  # the smallest error budget bound_keys' overflow guard allows
 _SPAN = tl.constexpr(1.0 / MIN_FILTER_ERROR)  # sum_h |w_h s_h| <= e / budget <= e * _SPAN
+# approx_block_logits scales a pool's head sum once, after it: with kscale in [2^-32, 2^32] and a
+# row's error scale at least 2^-80 (logit_error_scale), fp32 underflow of the unscaled products
+# (<= 2^-144 each) and of the logit (2^-150) stays far below the pool's budget e >= 2^-112
+APPROX_SCALE_MIN, APPROX_SCALE_MAX = tl.constexpr(2.0**-32), tl.constexpr(2.0**32)
+MIN_ERROR_SCALE = tl.constexpr(2.0**-80)
 
 
 @triton.jit
@@ -221,16 +226,24 @@ def approx_block_logits(q16, w, codes, kscale, lut_ptr, BN: tl.constexpr, H: tl.
     ka, _ = _jit_fp8.fp8_values(mma_dim_order(codes[0], 1), lut_ptr, FNUZ, NATIVE_FP8)
     kb, _ = _jit_fp8.fp8_values(mma_dim_order(codes[1], 1), lut_ptr, FNUZ, NATIVE_FP8)
     dot = tl.dot(ka, q16[0], tl.dot(kb, q16[1]))  # [BN, R * H]
-    return _weighted_heads(dot, False, kscale, w, BN, H, R)
+    # relu (max.NaN keeps a NaN dot), * w, the head tree, then * kscale once per pool: k * relu(d)
+    # is relu(k * d) for k > 0, the roundings differ within the budget; a scale outside
+    # [APPROX_SCALE_MIN, APPROX_SCALE_MAX] (not a cache of ours) gives NaN: the pool survives
+    r = tl.maximum(dot, 0.0, propagate_nan=tl.PropagateNan.ALL) * w[None, :]
+    s = tl.reshape(_head_tree(tl.reshape(r, (BN * R, H)), BN * R, H), (BN, R))
+    sane = (kscale >= APPROX_SCALE_MIN) & (kscale <= APPROX_SCALE_MAX)
+    return tl.where(sane[:, None], s * kscale[:, None], float("nan"))
 
 
 @triton.jit
 def logit_error_scale(w, q_l1, H: tl.constexpr, R: tl.constexpr, FP8_MAX: tl.constexpr, ERROR: tl.constexpr):
     """Per row ``[R]``: ``E`` such that ``|approx - exact| <= E * |kscale|`` for every pool of
     the row: ``ERROR * sum_h |w_h| * ||q_h||_1 * FP8_MAX`` (``ERROR``: the relative budget of
-    one head's dot, ``score.FILTER_ERROR``)."""
+    one head's dot, ``score.FILTER_ERROR``); NaN for a row where that is under
+    ``MIN_ERROR_SCALE`` (tiny weights), whose pools then all survive."""
     t = tl.reshape(tl.abs(w) * q_l1, (R, H))
-    return tl.sum(t, axis=1) * (FP8_MAX * ERROR)
+    e = tl.sum(t, axis=1) * (FP8_MAX * ERROR)
+    return tl.where(e >= MIN_ERROR_SCALE, e, float("nan"))  # tinier: every pool of the row survives
 
 
 @triton.jit

@@ -28,7 +28,10 @@ The result is the exact selection as long as the MMA's error stays within the bu
 ``sum_d |q_d k_d|``. An fp32 accumulation of the 128 exact products in any order, rounding
 or truncating, stays within ``2^-16`` of it; the H200's fp16 MMA measured ``2^-20``, and
 ``python -m kpool.exactness --ops score`` (32 x 65,536 pools, H 32 and 64, both formats and
-layouts) is exact there (benchmarks/LOG.md). A NaN key or query code reaches the approximate
+layouts) is exact there (benchmarks/LOG.md). The epilogue sums a pool's relu'd, weighted head
+dots before multiplying by its scale (once per pool); a scale outside ``[2^-32, 2^32]`` (not
+written by kpool) and a row whose error scale is under ``2^-80`` (fp32 underflow would exceed
+it) make their pools survivors. A NaN key or query code reaches the approximate
 logit through the MMA (IEEE propagation; ``test_score``'s NaN key codes check it on each GPU)
 and makes the pool a survivor (``logits.bound_keys``). Shorter rows of the same launch take their
 bound from all their leaves' tile-position maxima (``topk.POSITION_KEYS`` lower keys per leaf,
