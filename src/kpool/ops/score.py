@@ -64,9 +64,10 @@ UNCAPPED_PER_SM = 2  # ... but a leaf grid that takes no more waves uncapped run
 #                      2 uncapped programs (4 warps of up to 255 registers; H200, 1 x 128K, 256 exact leaves: 16.8
 #                      -> 16.3 us, at 168 the leaf loop spills; 2 x 128K, 512 leaves in 2 waves either way: 25.6 ->
 #                      24.8 us) ...
-FILTER_UNCAPPED_PER_SM = 4  # ... or 4 uncapped one-row filtering leaves of H <= 32 (89 registers: sm_90 SASS; H200,
+FILTER_UNCAPPED_PER_SM = 4  # ... or 4 uncapped one-row filtering leaves of H <= 32 (at 89 registers: sm_90 SASS; H200,
 #                             512 leaves in one wave either way: 4 / 8 x 128K 29.0 -> 27.8 / 37.4 -> 35.2 us,
-#                             32 x 32K 51.8 -> 50.6 us)
+#                             32 x 32K 51.8 -> 50.6 us; since the 47th session's epilogue they take 76 registers
+#                             uncapped, 6 per SM, and the cap below no longer binds: capped or not, the same residency)
 REGISTERS_PER_SM = 65536  # 32-bit registers of an SM (every CUDA target kpool supports)
 PIPELINE_STAGES = 2  # tiles in flight in the exact leaf loop (tl.range's software pipelining) ...
 FILTER_PIPELINE_STAGES = 3  # ... and in the filtering one (pipeline_stages; H200, 27fde99 + cap 96: 32 x 128K 117.3 ->
@@ -77,9 +78,10 @@ SCORER_ENV = "KPOOL_SCORER"
 # 15th session; 2^-14 also covers the rounding of the epilogue and of the bounds).
 FILTER_ERROR = 2.0**-14
 FILTER_SHAKE = 0.0  # tests only: move each approximate logit by this fraction of its bound
-FILTER_MAX_REGS = 80  # one-row filtering leaves of H <= 32 (max_regs): 6 programs per SM, no spills (89 registers
-#                       uncapped since the position-max heads; H200, H = 32, 32 x 128K / 128 x 1M: 96 87.4 us / 1.75 ms,
-#                       80 85.8 / 1.72, 72 86.8 / 1.75; before them, 96 97.9 / 2.03, 80 100.0 / 2.05) ...
+FILTER_MAX_REGS = 80  # one-row filtering leaves of H <= 32 (max_regs): 6 programs per SM, no spills (H200, H = 32,
+#                       32 x 128K / 128 x 1M: 96 87.4 us / 1.75 ms, 80 85.8 / 1.72, 72 86.8 / 1.75 at 89 registers
+#                       uncapped; at 76 (47th session) the cap no longer binds, and H100, 32 x 128K: 80 86.4 us, 72 (7
+#                       per SM) 88.2, 64 (8 per SM, 7 spills) 91.3) ...
 FILTER_MAX_REGS_H64 = 128  # ... and of H = 64 (sm_90 SASS since the position-max heads: 118 registers, none
 #                            spilled at 96, the cap of 5 programs per SM, 14 spill loads at 80; not timed)
 FILTER_MIN_CHUNK = 256  # filter leaves of at least this many pools (H200, exact -> filter: 1 x 128K, leaves of
