@@ -11,7 +11,8 @@ before any kernel compiles: module constants such as register caps or tile sizes
 op's cases whose label matches ``--cases`` (a regular expression), timed as ``run_all.py``
 times them (CUDA-graph replay of small launches, inputs rotated for a cold L2, median) but
 without the byte checks. One line per (variant, case, impl); ``--out`` also writes them as
-JSON. For comparisons only: the README's numbers come from ``run_all.py`` records.
+JSON, with each variant's environment (GPU, versions, commit, source digest, patch). For
+comparisons only: the README's numbers come from ``run_all.py`` records.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def run_variant(variant: dict, op: str, cases: str, impls: list, mode: str, devi
     seed, err = harness.load_seed(seed_path or harness.default_seed_path())
     ctx = harness.Ctx(mode, device, seed, err, check=False)
     mod = harness.load_op_module(op)
-    out = []
+    out = [dict(harness.environment(ctx, seed_path), variant=variant["name"], patch=variant["patch"])]
     for case in mod.cases(mode):
         if not re.search(cases, case["label"]):
             continue
@@ -68,7 +69,7 @@ def main(argv=None) -> int:
     p.add_argument("--mode", default="full", choices=("full", "quick", "dry"))
     p.add_argument("--device", default="cuda")
     p.add_argument("--seed-path", default=None)
-    p.add_argument("--out", default=None, help="JSON list of the records")
+    p.add_argument("--out", default=None, help="JSON of the records and each variant's environment")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # JSON of one variant: run it here
     a = p.parse_args(argv)
     impls = [i for i in a.impls.split(",") if i]
@@ -78,7 +79,7 @@ def main(argv=None) -> int:
         recs = run_variant(json.loads(a.child), a.op, a.cases, impls, a.mode, a.device, a.seed_path)
         print("AB-RECORDS " + json.dumps(recs), flush=True)
         return 0
-    records = []
+    records, variants = [], []
     for v in a.variant:
         env = dict(os.environ, PYTHONPATH=v["src"] + os.pathsep + os.environ.get("PYTHONPATH", ""))
         cmd = [sys.executable, __file__, "--op", a.op, "--cases", a.cases, "--impls", a.impls, "--mode", a.mode,
@@ -88,14 +89,17 @@ def main(argv=None) -> int:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         for line in proc.stdout.splitlines():
             if line.startswith("AB-RECORDS "):
-                records += json.loads(line[len("AB-RECORDS "):])
+                meta, *recs = json.loads(line[len("AB-RECORDS "):])
+                variants.append(meta)
+                records += recs
             else:
                 print(line, flush=True)
         if proc.returncode:
             print(f"{v['name']}: exit {proc.returncode}\n{proc.stderr[-2000:]}", file=sys.stderr, flush=True)
     if a.out:
         with open(a.out, "w") as f:
-            json.dump(records, f, indent=1)
+            json.dump({"op": a.op, "cases": a.cases, "mode": a.mode, "variants": variants, "records": records}, f,
+                      indent=1)
     return 0 if records else 1
 
 

@@ -11,6 +11,7 @@ import importlib.util
 import json
 
 import pytest
+import torch
 
 from kpool import bench
 from kpool._backend import interpreting
@@ -412,9 +413,13 @@ def test_ab_runs_each_variant_in_its_own_tree(tmp_path, capsys, monkeypatch):
     out = tmp_path / "ab.json"
     rc = ab.main(["--op", "expand", "--mode", "dry", "--device", "cpu", "--impls", "ours", "--out", str(out),
                   "--variant", f"plain={src}", "--variant", f"broken={src}::raise SystemExit(3)"])
-    recs = json.loads(out.read_text())
+    doc = json.loads(out.read_text())
+    recs = doc["records"]
     assert rc == 0 and recs and {r["variant"] for r in recs} == {"plain"}
     assert all(r["kpool_file"].startswith(src) and r["impl"] == "ours" for r in recs)
+    (meta,) = doc["variants"]  # the failed variant gave none
+    assert meta["variant"] == "plain" and meta["kpool_file"].startswith(src) and meta["torch"] == torch.__version__
+    assert meta["git"]["source"] in ("git", "KPOOL_GIT_COMMIT", "unavailable") and meta["source_sha256"]
     assert "broken: exit 3" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         ab.main(["--op", "expand"])
