@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from kpool.layout import cdiv
+
 OP = "compress"
 TITLE = "compress + write"
 PAGE = 64
@@ -64,7 +66,7 @@ def check_exact(ctx, fn, p, n):
 
 def make_inputs(ctx, p, n, i):
     base = 1000 * i + 17 * p
-    num_pages = -(-n // PAGE) + 1
+    num_pages = cdiv(n, PAGE) + 1
     pages = ctx.randperm(num_pages, base + 3)
     j = torch.arange(n, device=ctx.device)
     loc = pages[j // PAGE] * PAGE + j % PAGE
@@ -96,6 +98,6 @@ def bench(ctx, case, impl):
     if impl == "ours" and ctx.check:
         extra.update(check_exact(ctx, fn, p, n))
     nbytes = floor_bytes(p, n)
-    alloc = nbytes + (-(-n // PAGE) + 1) * PAGE * (HEAD + 4)
+    alloc = nbytes + (cdiv(n, PAGE) + 1) * PAGE * (HEAD + 4)
     return ctx.run(fn, lambda i: make_inputs(ctx, p, n, i), bytes=nbytes, alloc_bytes=alloc,
                    graph=impl != "torch", **extra)

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kpool.layout import ring_size
+from kpool.layout import cdiv, next_pow2, ring_size
 from kpool.ops import _pdl
 
 OP = "decode"
@@ -79,7 +79,7 @@ def make_inputs(ctx, b, nn, p, ring, i):
     blocks = ctx.randperm(b, base + 2)
     tslot = blocks[:, None] * ring + positions % ring
     complete = (positions + 1) % p == 0
-    num_pages = -(-(b * nn) // PAGE) + 1
+    num_pages = cdiv(b * nn, PAGE) + 1
     slots = ctx.randperm(num_pages * PAGE, base + 3)[: b * nn].view(b, nn)
     slot_mapping = torch.where(complete, slots, -1)
     return (ctx.rand_bytes((num_pages, PAGE, HEAD + 4), base + 4),
@@ -140,7 +140,7 @@ def movement(kv_cache, tail, tslot, key, gate, ape, slot_mapping, positions, p):
         tail[blk, 1, at] = gate.reshape(-1, HEAD)[ok]
         return
     _movement_kernel[(b,)](tail, tail.stride(0), tail.stride(1), tslot, slot_mapping, positions, key, gate, nn,
-                           NB=triton.next_power_of_2(nn), RING=ring, num_warps=1, **pdl_launch(key.device))
+                           NB=next_pow2(nn), RING=ring, num_warps=1, **pdl_launch(key.device))
 
 
 def bench(ctx, case, impl):

@@ -36,6 +36,7 @@ def targets(case):
 def bench(ctx, case, impl):
     import kpool
     from kpool._backend import FP8_ENCODER_ENV, native_fp8
+    from kpool.layout import cdiv
     p, n = case["P"], case["pools"]
     fp8 = _COMPRESS.FP8
 
@@ -50,7 +51,7 @@ def bench(ctx, case, impl):
         if ctx.check:
             extra.update(_COMPRESS.check_exact(ctx, fn, p, n))
         nbytes = _COMPRESS.floor_bytes(p, n)
-        alloc = nbytes + (-(-n // _COMPRESS.PAGE) + 1) * _COMPRESS.PAGE * (_COMPRESS.HEAD + 4)
+        alloc = nbytes + (cdiv(n, _COMPRESS.PAGE) + 1) * _COMPRESS.PAGE * (_COMPRESS.HEAD + 4)
         return ctx.run(fn, lambda i: _COMPRESS.make_inputs(ctx, p, n, i), bytes=nbytes, alloc_bytes=alloc,
                        graph=True, **extra)
     finally:

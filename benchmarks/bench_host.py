@@ -54,6 +54,7 @@ except ImportError:
     import kpool
 
 import kpool.cache as cache_mod  # noqa: E402
+from kpool.layout import cdiv  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 
@@ -142,7 +143,7 @@ def _timed(fn, device) -> float:
 
 
 def _cache(device, requests: int, tokens: int):
-    pages = requests * (-(-tokens // (P * PAGE)) + 1) + 1
+    pages = requests * (cdiv(tokens, P * PAGE) + 1) + 1
     ape = torch.randn(P, 128, generator=torch.Generator().manual_seed(0))
     return kpool.KPoolCache(pages, page_size=PAGE, pool_size=P, max_requests=requests, max_spec_tokens=SPEC,
                             ape=ape, device=device)

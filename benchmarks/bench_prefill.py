@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import torch
 
+from kpool.layout import cdiv
+
 OP = "prefill"
 TITLE = "prefill write (token-major)"
 PAGE = 64
@@ -68,7 +70,7 @@ def plan(r, t, p, seed=12345):
     starts = edges[:-1]
     blocks = torch.randperm(r, generator=g)
     n_pools = lens // p
-    pages_per = -(-n_pools // PAGE)
+    pages_per = cdiv(n_pools, PAGE)
     num_pages = int(pages_per.sum()) + 1
     page_perm = torch.randperm(num_pages, generator=g)
     page_base = torch.cumsum(pages_per, 0) - pages_per

@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import torch
 
+from kpool.layout import cdiv
+
 OP = "score"
 TITLE = "scoring + selection (issue 5)"
 P = 4
@@ -130,7 +132,7 @@ def make_decode(ctx, b, c, nn, i, lo=None):
     base = 7907 * i + b + c
     dev = ctx.device
     pools = c // P
-    pages_per = -(-pools // PAGE)
+    pages_per = cdiv(pools, PAGE)
     num_pages = b * pages_per
     pt = ctx.randperm(num_pages, base + 1).view(b, pages_per).to(torch.int32)
     last = contexts(b, c, lo).to(dev)[:, None] - nn  # each request's first query position
@@ -142,7 +144,7 @@ def make_decode(ctx, b, c, nn, i, lo=None):
 
 def decode_bytes(b, c, nn, width, lo=None):
     pools = contexts(b, c, lo) // P  # visible pools per request (every query row of a step sees about as many)
-    return int(nn * pools.sum() * ENTRY + b * nn * HEADS * (HEAD * 2 + 4) + (-(-pools // PAGE)).sum() * 4
+    return int(nn * pools.sum() * ENTRY + b * nn * HEADS * (HEAD * 2 + 4) + cdiv(pools, PAGE).sum() * 4
                + b * nn * width * 4)
 
 
@@ -243,7 +245,7 @@ def make_prefill(ctx, n_q, pools, i, topk):
     keys = ctx.randn((length, HEAD), base + 1, scale=2.0)
     gates = ctx.randn((length, HEAD), base + 2)
     ape = ctx.randn((P, HEAD), base + 3, dtype=torch.float32, scale=0.5)
-    cache = KPoolCache(-(-pools // PAGE), page_size=PAGE, pool_size=P, max_requests=1, ape=ape,
+    cache = KPoolCache(cdiv(pools, PAGE), page_size=PAGE, pool_size=P, max_requests=1, ape=ape,
                        device=ctx.device, layout="plain", fp8_dtype=FP8)
     if length > n_q:
         cache.prefill(["r"], [keys[: length - n_q]], [gates[: length - n_q]])
@@ -341,7 +343,7 @@ def make_ragged(ctx, n_q, pools, i):
     base = 4421 * i + n_q
     q8, qs = kpool.fwht128_quant_fp8(ctx.randn((n_q, HEADS, HEAD), base + 1, scale=2.0), fp8_dtype=FP8)
     w = reference.fold_head_weights(ctx.randn((n_q, HEADS), base + 2, dtype=torch.float32), qs)
-    kv = make_kv(ctx, -(-pools // PAGE), base + 3).view(-1, PAGE * ENTRY)
+    kv = make_kv(ctx, cdiv(pools, PAGE), base + 3).view(-1, PAGE * ENTRY)
     codes = kv[:, : PAGE * HEAD].reshape(-1, HEAD)[:pools].view(FP8)
     scales = kv[:, PAGE * HEAD:].contiguous().view(torch.float32).reshape(-1)[:pools]
     pos = torch.arange(pools * P - n_q, pools * P, device=ctx.device)

@@ -22,9 +22,11 @@ from .ops.prefill import write_prefill
 from .indexer import KPoolIndexer
 from . import _library  # noqa: F401  (registers torch.ops.kpool.*)
 
-__all__ = ["kpool_compress_and_write_cache", "kpool_decode_update_and_maybe_write_cache_batched", "kpool_seed_tail_cache",
+__all__ = ["kpool_compress_and_write_cache", "kpool_decode_update_and_maybe_write_cache_batched",
+           "kpool_seed_tail_cache",
            "expand_pools_and_append_tail", "expand_pools_to_tokens", "append_tail_to_topk",
            "build_pooled_page_table", "compute_pooled_write_locs", "history_group_budget_for_topk"]
-__all__ += ["fwht128_quant_fp8", "quantize_queries", "paged_pool_logits", "ragged_pool_logits", "select_pools", "paged_pool_topk"]
+__all__ += ["fwht128_quant_fp8", "quantize_queries", "paged_pool_logits", "ragged_pool_logits", "select_pools",
+            "paged_pool_topk"]
 __all__ += ["KPoolCache", "StepMetadata", "CacheCapacityError", "KPoolIndexer", "decode_slot_mappings",
             "prefill_plan", "write_prefill"]

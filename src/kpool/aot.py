@@ -1008,7 +1008,8 @@ def format_results(results):
     for t in targets:
         stages = sorted({">".join(r.stages) for r in results if r.target == t and r.ok})
         lines.append(f"stages {t}: {', '.join(stages) or '-'}")
-    lines.append("kernels with fp8 types in their TTIR (a native fp8 conversion; expected exactly where NATIVE_FP8 != 0):")
+    lines.append("kernels with fp8 types in their TTIR "
+                 "(a native fp8 conversion; expected exactly where NATIVE_FP8 != 0):")
     for t in targets:
         fp8 = {}
         for r in results:

@@ -246,7 +246,8 @@ class KPoolCache:
         ``(codes [n_pools, 128] uint8, scales [n_pools] fp32)``."""
         req = self._get(request_id)
         pools = torch.arange(req.length // self.pool_size, dtype=torch.int64)
-        locs = torch.tensor(req.pages, dtype=torch.int64)[pools // self.page_size] * self.page_size + pools % self.page_size
+        pages = torch.tensor(req.pages, dtype=torch.int64)[pools // self.page_size]
+        locs = pages * self.page_size + pools % self.page_size
         return read_entries(self.kv_cache, locs.to(self.device), self.layout)
 
     # ------------------------------------------------------------------ lifecycle
@@ -401,7 +402,8 @@ class KPoolCache:
         if layer is None or layer[1]() is not tail:
             raise ValueError("kv_cache / tail must be a pair from this cache's layer_buffers()")
         if layer[2] != self._steps - 1:
-            what = "was already written" if layer[2] == self._steps else f"missed steps {layer[2] + 1}..{self._steps - 1}"
+            missed = f"missed steps {layer[2] + 1}..{self._steps - 1}"
+            what = "was already written" if layer[2] == self._steps else missed
             raise ValueError(f"write_layer writes step {self._steps} (the last one); this layer {what}: write every "
                              "layer after each prefill / decode, before the next")
         _check_unchanged({"kv_cache": kv_cache, "tail": tail}, layer[3], "layer_buffers() gave it")

@@ -25,7 +25,7 @@ from torch.nn.utils.rnn import pad_sequence
 from . import numerics, reference
 from ._backend import backend_for
 from .cache import KPoolCache
-from .layout import ENTRY_BYTES, HEAD_DIM
+from .layout import ENTRY_BYTES, HEAD_DIM, cdiv
 from .ops.decode import kpool_decode_update_and_maybe_write_cache_batched
 from .ops.prefill import write_prefill
 from .planning import decode_slot_mappings, prefill_plan
@@ -74,7 +74,8 @@ class Progress:
         self.done += n
         frac = self.done / max(self.total, 1)
         bar = "#" * int(30 * frac) + "-" * (30 - int(30 * frac))
-        sys.stderr.write(f"\r{self.label} [{bar}] {self.done}/{self.total} {time.perf_counter() - self.t0:5.1f}s {note}")
+        elapsed = time.perf_counter() - self.t0
+        sys.stderr.write(f"\r{self.label} [{bar}] {self.done}/{self.total} {elapsed:5.1f}s {note}")
         sys.stderr.flush()
         if self.done >= self.total:
             sys.stderr.write("\n")
@@ -159,7 +160,7 @@ def run_demo(*, requests: int = 8, max_prompt: int = 6000, decode_steps: int = 4
     ape = (torch.randn(pool_size, HEAD_DIM, generator=gen) * 0.5)
     lengths = [rng.randint(1, max_prompt) for _ in range(requests)]
     total_tokens = sum(lengths) + requests * decode_steps * (max_spec_tokens + 1)
-    num_pages = requests * (-(-total_tokens // (pool_size * page_size * requests)) + 2)
+    num_pages = requests * (cdiv(total_tokens, pool_size * page_size * requests) + 2)
     cache = KPoolCache(num_pages, page_size=page_size, pool_size=pool_size, max_requests=requests,
                        max_spec_tokens=max_spec_tokens, ape=ape, device=device)
     streams = {r: (torch.empty(0, HEAD_DIM, dtype=torch.bfloat16), torch.empty(0, HEAD_DIM, dtype=torch.bfloat16))
@@ -254,10 +255,12 @@ def format_summary(s: dict) -> str:
         f"  committed tokens       : {s['committed_tokens']} ({s['rejected_drafts']} rejected drafts rolled back)",
         f"  pools written          : {s['pools']}",
         f"  indexer cache          : {s['pooled_cache_bytes'] / 2**20:.2f} MiB pooled vs "
-        f"{s['per_token_cache_bytes'] / 2**20:.2f} MiB per-token ({s['per_token_cache_bytes'] / max(s['pooled_cache_bytes'], 1):.1f}x smaller)",
+        f"{s['per_token_cache_bytes'] / 2**20:.2f} MiB per-token "
+        f"({s['per_token_cache_bytes'] / max(s['pooled_cache_bytes'], 1):.1f}x smaller)",
         f"  prefill steps          : {s['prefill_steps']} ({per_step(s['prefill_times'])})",
         f"  decode/verify steps    : {s['decode_steps']} ({per_step(s['decode_times'])}; host planning included)",
-        f"  indexer selection      : {s['select_rows']} verify-token rows (H=32, top-2048: {s['select_rows_topk']} rows "
+        f"  indexer selection      : {s['select_rows']} verify-token rows "
+        f"(H=32, top-2048: {s['select_rows_topk']} rows "
         f"with more than 512 visible pools), {per_step(s['select_times'])}",
         f"  checks passed          : {s['checks']} whole-cache checks, {s['pools_checked']} pool entries "
         "byte-identical to the oracle, rings hold every incomplete pool's tokens,",

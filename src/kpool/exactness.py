@@ -25,6 +25,8 @@ import time
 
 import torch
 
+from .layout import cdiv
+
 
 def _rand_inputs(n_pools, p, gen):
     keys = torch.randn(n_pools, p, 128, generator=gen).to(torch.bfloat16)
@@ -54,7 +56,7 @@ def check_compress(n_pools, p, fp8_dtype, layout, device, gen, page=64):
     import kpool
 
     keys, gates, ape = _rand_inputs(n_pools, p, gen)
-    num_pages = -(-n_pools // page) + 1
+    num_pages = cdiv(n_pools, page) + 1
     kv = torch.randint(0, 256, (num_pages, page, 132), dtype=torch.uint8, generator=gen)
     loc = torch.randperm(num_pages * page, generator=gen)[:n_pools]
     ref = kv.clone()
@@ -74,7 +76,7 @@ def check_decode(num_req, next_n, p, ring, fp8_dtype, layout, device, gen, page=
     blocks = torch.randperm(num_req, generator=gen)[:, None]
     tail_slots = blocks * ring + positions.to(torch.int64) % ring
     pools = positions.to(torch.int64) // p
-    num_pages = -(-num_req * (pools.max().item() + 1) // page) + 1
+    num_pages = cdiv(num_req * (pools.max().item() + 1), page) + 1
     # each request's pools map to distinct slots: request-major, pool-minor
     slot_mapping = torch.where((positions + 1) % p == 0, (blocks * (pools.max() + 1) + pools) % (num_pages * page), -1)
     keys = torch.randn(num_req, next_n, 128, generator=gen).to(torch.bfloat16)
@@ -137,7 +139,7 @@ def _random_paged_cache(requests, pools, fp8_dtype, layout, gen, page, dup_every
     scale: exact ties across leaves and pages). Returns ``(kv, page_table)``, the table int64
     ``[requests, cdiv(pools, page)]`` of shuffled distinct pages (one page left unused)."""
     from kpool.layout import write_entries
-    pages_per = -(-pools // page)
+    pages_per = cdiv(pools, page)
     num_pages = requests * pages_per + 1
     kv = torch.randint(0, 256, (num_pages, page, 132), dtype=torch.uint8, generator=gen)
     slots = num_pages * page
@@ -229,7 +231,7 @@ def check_selection(case, device, gen, page=64):
     if case["expand"]:
         p = 4
         seq_lens = (pool_lens.view(-1) * p + torch.randint(0, p, (b * n,), generator=gen)).to(torch.int32)
-        width = -(-(k * p + p - 1) // 128) * 128 if case["round_width"] else None
+        width = cdiv(k * p + p - 1, 128) * 128 if case["round_width"] else None
         want_tok = reference.expand_pools_and_append_tail(want, seq_lens, p, width=width)
         got_tok = _with_backend("triton", lambda: kpool.paged_pool_topk(
             *dev, k, **opts, expand=(seq_lens.to(device), p, width))).cpu()

@@ -199,7 +199,8 @@ class KPoolIndexer(nn.Module):
             kv_cache, tail = layer
             last = cache.metadata()
             if last is None or last.kind != mode or last.request_ids != request_ids:
-                raise ValueError(f"layer= writes the step the cache planned last ({'none' if last is None else last.kind}"
+                planned = 'none' if last is None else last.kind
+                raise ValueError(f"layer= writes the step the cache planned last ({planned}"
                                  f" of {None if last is None else last.request_ids}): call the planning layer first, "
                                  f"with the same request_ids and mode={mode!r}")
             cache.write_layer(kv_cache, tail, k, gate, self.index_kpool_compress_ape.detach())

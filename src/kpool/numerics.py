@@ -170,6 +170,7 @@ def compress_pools(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor, f
     return quantize(rotate(pool_softmax(keys, gates, ape)), fp8_dtype, round_scale)
 
 
-def rotate_quant_rows(q: torch.Tensor, fp8_dtype: torch.dtype, round_scale: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def rotate_quant_rows(q: torch.Tensor, fp8_dtype: torch.dtype,
+                      round_scale: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Query side: ``q [rows, 128]`` bf16 -> ``(codes [rows, 128] uint8, scale [rows] fp32)``."""
     return quantize(rotate(q.to(_F32)), fp8_dtype, round_scale)

@@ -210,7 +210,8 @@ def pooled_keys(kv_cache, locs, layout):
 
 
 __all__ = [
-    "compress_and_write", "compress_token_pools", "write_prefill", "decode_update", "seed_tail", "seed_requests", "expand_pools_and_append_tail",
+    "compress_and_write", "compress_token_pools", "write_prefill", "decode_update", "seed_tail", "seed_requests",
+    "expand_pools_and_append_tail",
     "expand_pools_to_tokens", "append_tail_to_topk", "build_pooled_page_table",
     "compute_pooled_write_locs", "pooled_keys", "HEAD_DIM",
 ]
@@ -474,5 +475,5 @@ def hf_topk_indices(q, weights, keys, gates, ape, positions, pool_size, index_to
     return expand_pools_and_append_tail(pool_ids, seq, pool_size, width=width), pool_ids, logits
 
 
-__all__ += ["fold_head_weights", "head_weight_scale", "serving_pool_logits", "serving_topk_indices", "hf_pool_keys", "hf_pool_logits",
-            "hf_topk_indices"]
+__all__ += ["fold_head_weights", "head_weight_scale", "serving_pool_logits", "serving_topk_indices", "hf_pool_keys",
+            "hf_pool_logits", "hf_topk_indices"]

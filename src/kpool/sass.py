@@ -18,8 +18,8 @@ compiles it with the triton wheel's own tools (no GPU) and reports:
         --set H=32,NT=8,KB=512,PAGE=64,PRESHUFFLE=False,FINAL=False --out /tmp/leaf
 
 ``--match`` picks the first job whose constexprs have those values (``--list`` shows them);
-``--set`` overrides constexprs after that; ``--maxnreg`` replaces the launcher's register cap. Instruction counts are a proxy: time the change on
-the GPU (``benchmarks/ab.py``) before keeping it.
+``--set`` overrides constexprs after that; ``--maxnreg`` replaces the launcher's register cap.
+Instruction counts are a proxy: time the change on the GPU (``benchmarks/ab.py``) before keeping it.
 """
 
 from __future__ import annotations

@@ -571,8 +571,8 @@ def ragged_pool_logits(q_fp8, k_codes, k_scale, weights, ks, ke, *, fp8_dtype=No
     grid = (n_q, cdiv(n_keys, RAGGED_TILE * RAGGED_TILES))
     _ragged_logits_kernel[grid](
         q8, q8.stride(0), q8.stride(1), weights, weights.stride(0), weights.stride(1),
-        k8, k8.stride(0), k_scale, k_scale.stride(0), ks, ke, n_keys, out, out.stride(0), halves_table(fp8_dtype, device),
-        BN=RAGGED_TILE, NT=RAGGED_TILES, H=heads, **decode_args(fp8_dtype, device), enable_fp_fusion=False,
-        **pdl_launch(device),
+        k8, k8.stride(0), k_scale, k_scale.stride(0), ks, ke, n_keys, out, out.stride(0),
+        halves_table(fp8_dtype, device), BN=RAGGED_TILE, NT=RAGGED_TILES, H=heads, **decode_args(fp8_dtype, device),
+        enable_fp_fusion=False, **pdl_launch(device),
     )
     return out

@@ -288,8 +288,8 @@ def launch_expand_pools(ids, valid, seq_lens, out, pool_size, page_table=None, t
     grid = (cdiv(rows, ROWS_PER_PROG), max(1, cdiv(n_pools, block_pools)))
     _expand_pools_kernel[grid](
         ids, ids.stride(0), valid if valid is not None else ids, valid.stride(0) if valid is not None else 0,
-        seq_lens if seq_lens is not None else ids, seq_lens.stride(0) if seq_lens is not None else 0, out, out.stride(0),
-        mptr, ms0, ms1, mcols, rows, n_pools, n_tail,
+        seq_lens if seq_lens is not None else ids, seq_lens.stride(0) if seq_lens is not None else 0,
+        out, out.stride(0), mptr, ms0, ms1, mcols, rows, n_pools, n_tail,
         P=pool_size, PB=pb, BLOCK_POOLS=block_pools, ROWS=ROWS_PER_PROG, TAIL_BLOCK=tail_block(n_tail),
         HAS_VALID=valid is not None, HAS_TAIL=seq_lens is not None, MAP=mode, num_warps=EXPAND_WARPS,
         **pdl_launch(out.device),
