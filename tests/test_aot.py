@@ -295,7 +295,8 @@ def test_small_leaf_grids_run_uncapped(monkeypatch):
     """``score.launch_options`` on CUDA: a leaf grid that takes no more waves uncapped
     (``UNCAPPED_PER_SM`` programs per SM, ``FILTER_UNCAPPED_PER_SM`` for one-row filtering
     leaves of at most 32 heads) than at its cap compiles without one, a larger one with the
-    usual cap (exact or filtering leaves, one or two rows, 64 heads); a launch that gives no
+    usual cap (exact or filtering leaves, one or two rows, 64 heads; two-row filtering leaves of
+    at most 32 heads their own); a launch that gives no
     grid size (refine) keeps ``MAX_REGS``; no SM count (off the GPU): never uncapped."""
     from kpool import _backend
     from kpool.ops import score, topk
@@ -313,7 +314,8 @@ def test_small_leaf_grids_run_uncapped(monkeypatch):
     assert score.launch_options("cpu", True, programs=one + 1)["maxnreg"] == score.FILTER_MAX_REGS
     assert "maxnreg" not in score.launch_options("cpu", True, heads=64, programs=score.UNCAPPED_PER_SM * 132)
     assert score.launch_options("cpu", True, heads=64, programs=one)["maxnreg"] == score.FILTER_MAX_REGS_H64
-    assert score.launch_options("cpu", True, rows=2, programs=exact + 1)["maxnreg"] == score.MAX_REGS
+    assert score.launch_options("cpu", True, rows=2, programs=exact + 1)["maxnreg"] == score.FILTER_MAX_REGS_ROWS2
+    assert score.launch_options("cpu", True, rows=2, heads=64, programs=exact + 1)["maxnreg"] == score.MAX_REGS
     assert score.launch_options("cpu")["maxnreg"] == score.MAX_REGS
     monkeypatch.setattr(topk, "_sm_count", lambda device: 0)
     assert score.launch_options("cpu", programs=1)["maxnreg"] == score.MAX_REGS

@@ -84,6 +84,9 @@ FILTER_MAX_REGS = 80  # one-row filtering leaves of H <= 32 (max_regs): 6 progra
 #                       per SM) 88.2, 64 (8 per SM, 7 spills) 91.3) ...
 FILTER_MAX_REGS_H64 = 128  # ... and of H = 64 (sm_90 SASS since the position-max heads: 118 registers, none
 #                            spilled at 96, the cap of 5 programs per SM, 14 spill loads at 80; not timed)
+FILTER_MAX_REGS_ROWS2 = 96  # two-row filtering leaves of H <= 32 (verify steps, prefill chunks): 5 programs per SM
+#                              instead of 4 (118 registers uncapped, 10 spill loads at 96: sm_90 SASS; H100, prefill
+#                              8,192 queries x 8,192 / 32,768 pools: 3.53 -> 3.38, 10.16 -> 9.37 ms; verify not timed)
 FILTER_MIN_CHUNK = 256  # filter leaves of at least this many pools (H200, exact -> filter: 1 x 128K, leaves of
 #                         128: 21.3 -> 32.3 us; 2 x 128K (128): 34.5 -> 38.8; 4 x 128K (256): 50.5 -> 45.8;
 #                         32 x 128K (512): 216 -> 165; 128 x 1M: 5.71 -> 4.04 ms; prefill 8192 x 32K: 52 -> 30 ms)
@@ -310,11 +313,13 @@ def max_regs(filtered: bool = False, rows: int = 1, heads: int = 32, small: bool
     """CUDA register cap of a scoring launch: none for a ``small`` grid (``small_grid``: the
     cap buys programs per SM that such a grid does not use, and costs spills),
     ``FILTER_MAX_REGS`` (``FILTER_MAX_REGS_H64`` at 64 heads) for one-row filtering leaves,
-    else ``MAX_REGS``."""
+    ``FILTER_MAX_REGS_ROWS2`` for two-row ones of at most 32 heads, else ``MAX_REGS``."""
     if small:
         return None
     if filtered and rows == 1:
         return FILTER_MAX_REGS_H64 if heads > 32 else FILTER_MAX_REGS
+    if filtered and rows == 2 and heads <= 32:
+        return FILTER_MAX_REGS_ROWS2
     return MAX_REGS
 
 
