@@ -136,17 +136,19 @@ def _pair_sum(t, BN: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
-def _head_tree(t, BN: tl.constexpr, H: tl.constexpr):
-    """Pairwise sum over the heads of ``t [BN, H]`` (H in 16, 32, 64) -> ``[BN]``."""
+def _head_tree(t, BN: tl.constexpr, H: tl.constexpr, R: tl.constexpr):
+    """Pairwise sum over the heads of each row of ``t [BN, R * H]`` (H in 16, 32, 64) -> ``[BN, R]``."""
+    N: tl.constexpr = BN * R
+    t = tl.reshape(t, (N, H))
     if H == 64:
-        t = _pair_sum(t, BN, 64)
+        t = _pair_sum(t, N, 64)
     if H >= 32:
-        t = _pair_sum(t, BN, 32)
-    t = _pair_sum(t, BN, 16)
-    t = _pair_sum(t, BN, 8)
-    t = _pair_sum(t, BN, 4)
-    t = _pair_sum(t, BN, 2)
-    return tl.reshape(t, (BN,))
+        t = _pair_sum(t, N, 32)
+    t = _pair_sum(t, N, 16)
+    t = _pair_sum(t, N, 8)
+    t = _pair_sum(t, N, 4)
+    t = _pair_sum(t, N, 2)
+    return tl.reshape(t, (BN, R))
 
 
 @triton.jit
@@ -192,7 +194,7 @@ def _weighted_heads(dot, nan, kscale, w, BN: tl.constexpr, H: tl.constexpr, R: t
     or ``False``): ``* kscale``, relu, ``* w``, the pairwise head tree -> ``[BN, R]``."""
     s = tl.where(nan, float("nan"), dot) * kscale[:, None]
     r = tl.where(s < 0, 0.0, s)
-    return tl.reshape(_head_tree(tl.reshape(r * w[None, :], (BN * R, H)), BN * R, H), (BN, R))
+    return _head_tree(r * w[None, :], BN, H, R)
 
 
 L1_ROUND_UP = tl.constexpr(1.0 + 2.0**-10)  # > (1 + 2^-24)^128: fp32 summation error of 128 terms
@@ -230,7 +232,7 @@ def approx_block_logits(q16, w, codes, kscale, lut_ptr, BN: tl.constexpr, H: tl.
     # is relu(k * d) for k > 0, the roundings differ within the budget; a scale outside
     # [APPROX_SCALE_MIN, APPROX_SCALE_MAX] (not a cache of ours) gives NaN: the pool survives
     r = tl.maximum(dot, 0.0, propagate_nan=tl.PropagateNan.ALL) * w[None, :]
-    s = tl.reshape(_head_tree(tl.reshape(r, (BN * R, H)), BN * R, H), (BN, R))
+    s = _head_tree(r, BN, H, R)
     sane = (kscale >= APPROX_SCALE_MIN) & (kscale <= APPROX_SCALE_MAX)
     return tl.where(sane[:, None], s * kscale[:, None], float("nan"))
 
