@@ -379,12 +379,15 @@ def test_exp_exact(device):
     rel = ((want.to(torch.float64) - exact).abs() / exact).max().item()
     assert rel <= 4e-6, f"exp_exact relative error {rel:.3g}"
     assert torch.equal(want[x == 0], torch.ones_like(want[x == 0]))  # the max slot weighs exactly 1
-    # below the floor (t = x*log2(e) < EXP_T_MIN): 2^EXP_T_MIN, on both sides, for finite x
-    low = torch.cat((-torch.logspace(math.log10(70.0), 30, 4096, dtype=F32), torch.tensor([-3.4e38, -1e4])))
-    low = low[low * math.log2(math.e) < numerics.EXP_T_MIN]
+    # below the floor (x < EXP_X_MIN): exp(EXP_X_MIN), on both sides, for finite x and -inf
+    low = torch.cat((-torch.logspace(math.log10(70.0), 30, 4096, dtype=F32),
+                     torch.tensor([-3.4e38, -1e4, -float("inf")]), _neighbours(torch.tensor([numerics.EXP_X_MIN]), 2)))
+    low = low[low < numerics.EXP_X_MIN]
     got = _run_elementwise(_exp_kernel, low.to(device), F32).cpu()
     assert_bytes_equal(got, numerics.exp_exact(low), "exp_exact below the floor: _jit vs numerics")
-    assert torch.equal(got, torch.full_like(got, 2.0 ** numerics.EXP_T_MIN))
+    floor = numerics.exp_exact(torch.tensor([numerics.EXP_X_MIN]))
+    assert torch.equal(got, floor.expand_as(got))
+    assert abs(floor.item() / math.exp(numerics.EXP_X_MIN) - 1) <= 4e-6 and floor.item() >= 2.0**-100
 
 
 @pytest.mark.parametrize("fp8_dtype", FP8, ids=["e4m3fn", "e4m3fnuz"])

@@ -4,10 +4,10 @@ Every step is an IEEE fp32 operation in a fixed order, so the Triton kernels (wh
 perform the same operations in the same order, with FMA contraction disabled and
 ``div_rn`` divisions) give identical bits on every GPU and in the CPU interpreter:
 
-* exp is ``2^n * poly5(r)`` with ``t = x*log2(e)``, ``n = rne(t)`` (as ``(t + 1.5*2^23) - 1.5*2^23``),
-  ``r = t - n``, the polynomial in Horner form of fused multiply-adds (``fma``: one rounding,
-  IEEE fusedMultiplyAdd; ``tl.fma`` in the kernels, emulated exactly here);
-* the pooling sum accumulates ``acc = fma(e, k, acc)`` in slot order;
+* exp is ``2^n * poly5(r)``: ``tn = fma(x, log2(e), 1.5*2^23)``, ``n = tn - 1.5*2^23`` (``rne(x*log2(e))``),
+  ``r = fma(x, log2(e), 1.5*2^23 - tn)``, the polynomial in Horner form of fused multiply-adds
+  (``fma``: one rounding, IEEE fusedMultiplyAdd; ``tl.fma`` in the kernels, emulated exactly here);
+* the pooling sums start at slot 0's terms and accumulate ``acc = fma(e, k, acc)`` in slot order;
 * bf16 rounding and fp8 encoding are integer operations on the fp32 bit pattern;
 * the ue8m0 scale ``2^ceil(log2(v))`` is read off the exponent and mantissa bits.
 
@@ -21,8 +21,8 @@ import torch
 from .layout import AMAX_FLOOR, HADAMARD_SCALE, HEAD_DIM, fp8_max
 
 LOG2E = 1.4426950408889634
-EXP_T_MIN = -100.0  # exp(x) for x*log2(e) < -100 is taken at -100 (~8e-31): keeps 2^n normal
-EXP_ROUND = 12582912.0  # 1.5 * 2^23: t + EXP_ROUND rounds t to an integer (ties to even)
+EXP_X_MIN = -69.0  # exp(x) for x < -69 is taken at -69 (~1e-30): n >= -100 keeps 2^n normal
+EXP_ROUND = 12582912.0  # 1.5 * 2^23: fma(x, log2(e), EXP_ROUND) rounds x*log2(e) to an integer (ties to even)
 # 2^r on r in [-0.5, 0.5]: the degree-5 polynomial interpolating 2^r at the 6 Chebyshev
 # nodes, with its constant term set to exactly 1 so that exp(0) == 1 (the max slot's weight);
 # max relative error 2.9e-7 evaluated in fp32 Horner form. Highest degree first.
@@ -62,14 +62,19 @@ def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 
 
 def exp_exact(x: torch.Tensor) -> torch.Tensor:
-    """``exp(x)`` for ``x <= 0`` from IEEE multiplies, adds and fmas (rel. error < 4e-6).
+    """``exp(x)`` for ``x <= 0`` from IEEE adds and fmas (rel. error < 4e-6).
 
-    The clamp at ``EXP_T_MIN`` is IEEE maxNum (a NaN argument gives ``2^EXP_T_MIN``), as
-    Triton's ``tl.maximum`` on every target. ``2^n`` is applied by adding ``n`` to the
-    exponent bits (exact: ``p * 2^n`` stays normal)."""
-    t = torch.fmax(x * _c(LOG2E, x), _c(EXP_T_MIN, x))
-    n = (t + _c(EXP_ROUND, x)) - _c(EXP_ROUND, x)
-    r = t - n
+    ``x`` is clamped at ``EXP_X_MIN`` by IEEE maxNum (a NaN argument gives ``exp(EXP_X_MIN)``),
+    as Triton's ``tl.maximum`` on every target. ``tn = fma(x, log2(e), 1.5*2^23)`` rounds the
+    exact ``x*log2(e)`` to the integer ``n = tn - 1.5*2^23``, and ``r = fma(x, log2(e),
+    1.5*2^23 - tn)`` (``-n``, an exact difference) is the reduced argument rounded once.
+    ``2^n`` is applied by adding ``n`` to the exponent bits (exact: ``p * 2^n`` stays normal)."""
+    s = torch.fmax(x, _c(EXP_X_MIN, x))
+    log2e = _c(LOG2E, x).expand_as(s)
+    rounder = _c(EXP_ROUND, x)
+    tn = fma(s, log2e, rounder.expand_as(s))
+    n = tn - rounder
+    r = fma(s, log2e, rounder - tn)
     p = torch.full_like(r, EXP2_POLY[0])
     for coef in EXP2_POLY[1:]:
         p = fma(p, r, _c(coef, x).expand_as(r))
@@ -145,19 +150,20 @@ def pool_softmax(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor) -> 
     Slots are visited in order 0..P-1 (two passes: max, then exp / sums). The max starts at
     slot 0's logit and is IEEE maxNum (NaN logits are skipped), as ``tl.maximum`` in the
     kernels; an all-NaN dim keeps a NaN max, and ``exp_exact`` of ``NaN - max`` is the same
-    ``2^EXP_T_MIN`` as it would be from ``-inf``.
+    ``exp(EXP_X_MIN)`` as it would be from ``-inf``. The sums start at slot 0's terms
+    (``den = e_0``: the same bits as ``0 + e_0``, one add fewer in the kernels).
     """
-    n, pool, _ = keys.shape
     logits = gates.to(_F32) + ape.to(_F32)[None]
     top = logits[:, 0]
-    for s in range(1, pool):
+    for s in range(1, keys.shape[1]):
         top = torch.fmax(top, logits[:, s])
-    acc = torch.zeros(n, HEAD_DIM, dtype=_F32, device=keys.device)
-    den = torch.zeros_like(acc)
-    for s in range(pool):
+    for s in range(keys.shape[1]):
         e = exp_exact(logits[:, s] - top)
-        den = den + e
-        acc = fma(e, keys[:, s].to(_F32), acc)
+        k = keys[:, s].to(_F32)
+        if s == 0:
+            acc, den = fma(e, k, torch.zeros_like(e)), e
+        else:
+            acc, den = fma(e, k, acc), den + e
     return bf16_round(acc / den)
 
 

@@ -10,11 +10,11 @@ import triton.language as tl
 
 from .. import _backend
 from ..layout import AMAX_FLOOR, HADAMARD_SCALE
-from ..numerics import EXP2_POLY, EXP_ROUND, EXP_T_MIN, LOG2E
+from ..numerics import EXP2_POLY, EXP_ROUND, EXP_X_MIN, LOG2E
 
 # Globals read inside @triton.jit code must be tl.constexpr: the real compiler rejects plain
 # Python floats (NameError), only the interpreter accepts them.
-LOG2E, EXP_T_MIN, EXP_ROUND = tl.constexpr(LOG2E), tl.constexpr(EXP_T_MIN), tl.constexpr(EXP_ROUND)
+LOG2E, EXP_X_MIN, EXP_ROUND = tl.constexpr(LOG2E), tl.constexpr(EXP_X_MIN), tl.constexpr(EXP_ROUND)
 AMAX_FLOOR, HADAMARD_SCALE = tl.constexpr(AMAX_FLOOR), tl.constexpr(HADAMARD_SCALE)
 FP8_SATFINITE = tl.constexpr(_backend.FP8_SATFINITE)
 _C5, _C4, _C3, _C2, _C1, _C0 = (tl.constexpr(c) for c in EXP2_POLY)
@@ -22,13 +22,15 @@ _C5, _C4, _C3, _C2, _C1, _C0 = (tl.constexpr(c) for c in EXP2_POLY)
 
 @triton.jit
 def exp_exact(x):
-    """exp(x) for x <= 0: ``2^n * poly5(r)``, ``t = x*log2(e)``, ``n = rne(t)``, fma Horner.
+    """exp(x) for x <= 0: ``2^n * poly5(r)``, ``n = rne(x*log2(e))``, fma Horner (``numerics.exp_exact``).
 
-    ``t + EXP_ROUND`` holds ``n`` in its low mantissa bits, so ``bits(tn) << 23`` is
-    ``n << 23`` (mod 2^32) and the scaling by ``2^n`` is one integer add."""
-    t = tl.maximum(x * LOG2E, EXP_T_MIN)
-    tn = t + EXP_ROUND
-    r = t - (tn - EXP_ROUND)
+    ``tn = fma(x, log2(e), EXP_ROUND)`` holds ``n`` in its low mantissa bits, so
+    ``bits(tn) << 23`` is ``n << 23`` (mod 2^32) and the scaling by ``2^n`` is one integer add;
+    ``r = fma(x, log2(e), EXP_ROUND - tn)`` (``-n``, exact). One instruction fewer than
+    ``t = x*log2(e)`` then ``r = t - ((t + EXP_ROUND) - EXP_ROUND)``, and ``r`` is rounded once."""
+    s = tl.maximum(x, EXP_X_MIN)
+    tn = tl.fma(s, LOG2E, EXP_ROUND)
+    r = tl.fma(s, LOG2E, EXP_ROUND - tn)
     p = tl.fma(r, _C5, _C4)
     p = tl.fma(p, r, _C3)
     p = tl.fma(p, r, _C2)
@@ -234,9 +236,12 @@ def slot_logit(g, ape_ptr, ape_stride, s, d):
 
 
 @triton.jit
-def pool_accumulate(acc, den, logit, top, k):
-    """One slot of the second softmax pass: ``e = exp(l - max)``; ``den += e``; ``acc = fma(e, k, acc)``."""
+def pool_accumulate(acc, den, logit, top, k, FIRST: tl.constexpr):
+    """One slot of the second softmax pass: ``e = exp(l - max)``; ``acc = fma(e, k, acc)``;
+    ``den += e``, or ``den = e`` for the ``FIRST`` slot (the bits of ``0 + e``: ``e > 0``)."""
     e = exp_exact(logit - top)
+    if FIRST:
+        return tl.fma(e, k, tl.zeros_like(e)), e
     return tl.fma(e, k, acc), den + e
 
 
@@ -275,12 +280,12 @@ def pool_vector(k_ptr, g_ptr, k_off, g_off, k_step, g_step,
         else:
             top = tl.maximum(top, logit)
     acc = tl.zeros((BN, 128), tl.float32)
-    den = tl.zeros((BN, 128), tl.float32)
+    den = acc
     for s in tl.static_range(P):
         ring_row = ring_off + ((ring_pos0 + s) % RING) * 128
         g = load_slot(g_ptr, g_off + s * g_step, ring_ptr, ring_row + ring_head, s < n_ring, live, d,
                       HAS_RING, ROW_SELECT)
-        acc, den = pool_accumulate(acc, den, slot_logit(g, ape_ptr, ape_stride, s, d), top, keys[s])
+        acc, den = pool_accumulate(acc, den, slot_logit(g, ape_ptr, ape_stride, s, d), top, keys[s], s == 0)
     return pool_finish(acc, den)
 
 
