@@ -62,7 +62,7 @@ def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 
 
 def exp_exact(x: torch.Tensor) -> torch.Tensor:
-    """``exp(x)`` for ``x <= 0`` from IEEE adds and fmas (rel. error < 4e-6).
+    """``exp(x)`` for ``x <= 0`` from IEEE adds and fmas (rel. error < 1e-6 on [-69, 0]).
 
     ``x`` is clamped at ``EXP_X_MIN`` by IEEE maxNum (a NaN argument gives ``exp(EXP_X_MIN)``),
     as Triton's ``tl.maximum`` on every target. ``tn = fma(x, log2(e), 1.5*2^23)`` rounds the
