@@ -10,7 +10,7 @@ H in {16, 32, 64}, leaves small enough for 10-12 per row (threshold selection), 
 import pytest
 import torch
 from kpool import reference
-from kpool.layout import write_entries
+from kpool.layout import fp8_max, write_entries
 from kpool.ops import score, topk
 from kpool.ops.logits import paged_pool_logits
 from kpool.ops.score import paged_pool_topk
@@ -331,6 +331,32 @@ def test_filter_bounds_with_unusual_key_scales_and_weights(device, monkeypatch, 
     args = [t.to(device) for t in (q, kv, w, lens, pt)]
     got = paged_pool_topk(*args, select_k, layout="plain").cpu()
     logits = reference.paged_pool_logits(q.view(torch.uint8), kv, w, lens, pt, "plain", fp8, n_pools)
+    assert used == [True] and torch.equal(got, reference.select_pools(logits, lens.view(-1), select_k))
+
+
+def test_filter_rows_whose_error_bound_underflows_keep_every_pool(device, monkeypatch, filter_choices):
+    """A row whose error scale is under 2^-80 keeps every pool (``logits.logit_error_scale``'s
+    guard): here ``e * kscale`` underflows to 0 in fp32 while the approximate logits are ~150
+    units of 2^-149, whose roundings (one after the head sum) differ from the exact ones (one
+    per head) by a few units, so bounds without a margin would drop pools of the exact selection
+    (13 ids differ with the guard removed)."""
+    monkeypatch.setenv("KPOOL_BACKEND", "triton")
+    monkeypatch.setenv(score.SCORER_ENV, "filter")
+    used = filter_choices
+    fp8, page, n_pools, select_k, kscale = FP8[0], 64, 2048, 128, 2.0**-30
+    g = torch.Generator().manual_seed(1)
+    kv = torch.zeros(2 * n_pools // page, page, 132, dtype=torch.uint8)
+    codes = (torch.randn(2 * n_pools, 128, generator=g) * 200).clamp(-448, 448).to(fp8).view(torch.uint8)
+    write_entries(kv, torch.arange(2 * n_pools), codes, torch.full((2 * n_pools,), kscale), "plain")
+    q = (torch.randn(2, 1, 16, 128, generator=g) * 8).to(fp8)
+    w = torch.rand(2, 1, 16, generator=g) * 2.0**-129
+    pt = torch.randperm(2 * n_pools // page, generator=g).view(2, -1).int()
+    lens = torch.tensor([[n_pools], [n_pools]], dtype=torch.int32)
+    err = (w * q.float().abs().sum(-1)).sum(-1) * (fp8_max(fp8) * score.FILTER_ERROR)
+    assert bool((err < 2.0**-80).all()) and bool((err * kscale == 0).all())  # the margin underflows
+    got = paged_pool_topk(*[t.to(device) for t in (q, kv, w, lens, pt)], select_k, layout="plain").cpu()
+    logits = reference.paged_pool_logits(q.view(torch.uint8), kv, w, lens, pt, "plain", fp8, n_pools)
+    assert logits.max() > 100 * 2.0**-149  # the approximate logits do not underflow
     assert used == [True] and torch.equal(got, reference.select_pools(logits, lens.view(-1), select_k))
 
 
