@@ -67,6 +67,8 @@ def int_list(name: str, values) -> list[int]:
         if values.ndim != 1:
             raise ValueError(f"{name} must be 1-D, got shape {list(values.shape)}")
         return values.tolist()
+    if type(values) in (list, tuple) and all(type(v) is int for v in values):  # the common case, one pass
+        return list(values)
     out = []
     for v in values:
         if isinstance(v, bool) or (torch.is_tensor(v) and v.dtype == torch.bool):
