@@ -280,7 +280,7 @@ def pool_vector(k_ptr, g_ptr, k_off, g_off, k_step, g_step,
         else:
             top = tl.maximum(top, logit)
     acc = tl.zeros((BN, 128), tl.float32)
-    den = acc
+    den = acc  # placeholders: slot 0 (pool_accumulate's FIRST) sets both
     for s in tl.static_range(P):
         ring_row = ring_off + ((ring_pos0 + s) % RING) * 128
         g = load_slot(g_ptr, g_off + s * g_step, ring_ptr, ring_row + ring_head, s < n_ring, live, d,
