@@ -205,7 +205,7 @@ def _compress_specs(m):
         ptrs=dict(kv_ptr="u8", kv_f32_ptr="fp32", k_ptr="bf16", g_ptr="bf16", ape_ptr="fp32", loc_ptr="i64",
                   mask_ptr="i1", codes_ptr="u8", scale_ptr="fp32"),
         cross=(pool_axis(), layout_axis(), fp8_axis("FP8_MAX", "FNUZ")),
-        cycle=(flag("ROUND_SCALE"), flag("HAS_MASK"), flag("DENSE"), _PAGE,
+        cycle=(flag("ROUND_SCALE"), flag("HAS_MASK"), _PAGE,
                [dict(WRITE_CACHE=True, RETURN_COMPRESSED=False), dict(WRITE_CACHE=False, RETURN_COMPRESSED=True),
                 dict(WRITE_CACHE=True, RETURN_COMPRESSED=True)]),
         derive=lambda c: dict(BN=m.BLOCK_POOLS.get(c["P"], 1)),  # as launch_compress on a GPU
@@ -219,7 +219,7 @@ def _prefill_specs(m):
         ptrs=dict(kv_ptr="u8", kv_f32_ptr="fp32", tail_ptr="bf16", key_ptr="bf16", g_ptr="bf16", ape_ptr="fp32",
                   pool_ptr="i64", req_ptr="i64"),
         cross=(pool_ring_axis(), layout_axis(), fp8_axis("FP8_MAX", "FNUZ")),
-        cycle=(flag("ROUND_SCALE"), flag("DENSE"), _PAGE),
+        cycle=(flag("ROUND_SCALE"), _PAGE),
         derive=lambda c: dict(BN=BLOCK_POOLS.get(c["P"], 1), KEEP=c["P"],  # as write_prefill on a GPU
                               **({"_opt_maxnreg": m.MAX_REGS[c["P"]]} if c["P"] in m.MAX_REGS else {})),
         target_derive=ring_writer_params,
@@ -241,7 +241,7 @@ def _decode_specs(m):
         ptrs=dict(kv_ptr="u8", kv_f32_ptr="fp32", tail_ptr="bf16", key_ptr="bf16", g_ptr="bf16", ape_ptr="fp32",
                   ts_ptr="i64", loc_ptr="i64", pos_ptr="i64"),
         cross=(decode_step_axis(), layout_axis(), fp8_axis("FP8_MAX", "FNUZ")),
-        cycle=(flag("ROUND_SCALE"), flag("DENSE"), _PAGE, int_ptr_axis("ts_ptr", "loc_ptr", "pos_ptr"),
+        cycle=(flag("ROUND_SCALE"), _PAGE, int_ptr_axis("ts_ptr", "loc_ptr", "pos_ptr"),
                axis("_opt_num_warps", sorted({m.decode_warps(b, n) for b in (1, 1 << 20) for n in (1, 4)}))),
         derive=lambda c: dict(NC=m.step_tiles(c["NB"], c["P"])["NC"]),  # as the launcher
         target_derive=ring_writer_params, options=dict(enable_fp_fusion=False))}

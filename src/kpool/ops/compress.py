@@ -34,11 +34,9 @@ def _compress_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
                      PRESHUFFLE: tl.constexpr, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr,
                      ROUND_SCALE: tl.constexpr, HAS_MASK: tl.constexpr,
                      WRITE_CACHE: tl.constexpr, RETURN_COMPRESSED: tl.constexpr, NATIVE_FP8: tl.constexpr,
-                     DENSE: tl.constexpr, PDL: tl.constexpr):
+                     PDL: tl.constexpr):
     _pdl.grid_dependency_sync(PDL)
     # One program per BN pools; pool i's slot s is at k_ptr + i*k_pool_stride + s*k_slot_stride.
-    if DENSE:  # k and g [n_pools, P, 128] contiguous (token-major windows too), ape rows of 128: constant offsets
-        k_pool_stride, g_pool_stride, k_slot_stride, g_slot_stride, ape_stride = P * 128, P * 128, 128, 128, 128
     i = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
     # contiguity 4: the bf16 rows are loaded 4 dims per thread, the layout of the fp32 ape rows,
     # so those need no shuffles (H200, P=4, 262,144 pools: 174.4 -> 169.9 us; P=16 unchanged)
@@ -64,14 +62,6 @@ def block_pools(pool_size: int) -> int:
     return INTERPRETER_BLOCK_POOLS if interpreting() else BLOCK_POOLS.get(pool_size, 1)
 
 
-def dense_pools(k, g, ape, pool_size: int) -> bool:
-    """Whether pools ``k`` / ``g [n, P, 128]`` are both laid out as contiguous ``[n * P, 128]``
-    token rows and ``ape``'s rows are 128 apart (``DENSE``: the kernels' row offsets become
-    constants; sm_90 SASS of a compress program: P=4 1,079 -> 1,032 instructions, P=16 1,603 ->
-    1,422 and 127 -> 101 registers)."""
-    return k.stride() == g.stride() == (pool_size * HEAD_DIM, HEAD_DIM, 1) and ape.stride(0) == HEAD_DIM
-
-
 def launch_compress(kv_cache, k, g, ape, loc, n_pools, pool_size, fp8_dtype, layout,
                     round_scale=True, write_mask=None, codes=None, scale=None):
     """Launch ``_compress_kernel`` over ``n_pools`` pools ``k``/``g [n_pools, P, 128]`` (arguments
@@ -92,7 +82,7 @@ def launch_compress(kv_cache, k, g, ape, loc, n_pools, pool_size, fp8_dtype, lay
         PRESHUFFLE=layout == "preshuffle", FP8_MAX=fp8_max(fp8_dtype),
         FNUZ=fp8_dtype == torch.float8_e4m3fnuz, ROUND_SCALE=round_scale,
         HAS_MASK=write_mask is not None, WRITE_CACHE=write, RETURN_COMPRESSED=codes is not None,
-        NATIVE_FP8=native_fp8(k.device, fp8_dtype), DENSE=dense_pools(k, g, ape, pool_size),
+        NATIVE_FP8=native_fp8(k.device, fp8_dtype),
         num_warps=NUM_WARPS, enable_fp_fusion=False, **pdl_launch(k.device),
     )
 

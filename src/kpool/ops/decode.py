@@ -103,12 +103,9 @@ def _decode_update_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
                           P: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr,
                           PRESHUFFLE: tl.constexpr, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr,
                           ROUND_SCALE: tl.constexpr, NATIVE_FP8: tl.constexpr,
-                          NB: tl.constexpr, NC: tl.constexpr, ROW_SELECT: tl.constexpr, DENSE: tl.constexpr,
-                          PDL: tl.constexpr):
+                          NB: tl.constexpr, NC: tl.constexpr, ROW_SELECT: tl.constexpr, PDL: tl.constexpr):
     # NB >= next_n (a power of two), NC >= cdiv(next_n, P): the most completions in one step.
     _pdl.grid_dependency_sync(PDL)
-    if DENSE:  # key and gate [B, next_n, 128] with the same strides, their rows and ape's 128 elements apart
-        key_st, g_st, g_sb, ape_stride = 128, 128, key_sb, 128
     b = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, 128)
     if NB == 1:  # one token: the walk is the step
@@ -232,7 +229,6 @@ def launch_decode_update(kv_cache, tail, tail_slots, key, gate, ape, slot_mappin
         PRESHUFFLE=layout == "preshuffle", FP8_MAX=fp8_max(fp8_dtype), FNUZ=fp8_dtype == torch.float8_e4m3fnuz,
         ROUND_SCALE=round_scale, NATIVE_FP8=native_fp8(device, fp8_dtype),
         **step_tiles(next_n, pool_size), ROW_SELECT=row_select(),
-        DENSE=key.stride(1) == ape.stride(0) == HEAD_DIM and key.stride() == gate.stride(),
         num_warps=decode_warps(num_req, next_n), **pdl_launch(device),
         enable_fp_fusion=False,
     )

@@ -39,10 +39,8 @@ def _prefill_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_b
                     P: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr, BN: tl.constexpr,
                     PRESHUFFLE: tl.constexpr, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr,
                     ROUND_SCALE: tl.constexpr, NATIVE_FP8: tl.constexpr, KEEP: tl.constexpr,
-                    ROW_SELECT: tl.constexpr, DENSE: tl.constexpr, PDL: tl.constexpr):
+                    ROW_SELECT: tl.constexpr, PDL: tl.constexpr):
     _pdl.grid_dependency_sync(PDL)
-    if DENSE:  # key, gate and ape rows all 128 elements apart: constant offsets (compress.dense_pools)
-        key_stride, g_stride, ape_stride = 128, 128, 128
     pid = tl.program_id(0)
     d = tl.arange(0, 128)
     if pid < n_pool_programs:
@@ -182,5 +180,5 @@ def launch_prefill(kv_cache, tail, key, gate, ape, pools, requests, pool_size, l
         P=pool_size, RING=tail.shape[2], PAGE=kv_cache.shape[1], BN=block, PRESHUFFLE=layout == "preshuffle",
         FP8_MAX=fp8_max(fp8_dtype), FNUZ=fp8_dtype == torch.float8_e4m3fnuz, ROUND_SCALE=round_scale,
         NATIVE_FP8=native_fp8(key.device, fp8_dtype), KEEP=next_pow2(pool_size), ROW_SELECT=row_select(),
-        DENSE=key.stride(0) == gate.stride(0) == ape.stride(0) == HEAD_DIM, **launch_options(key.device, pool_size),
+        **launch_options(key.device, pool_size),
     )
