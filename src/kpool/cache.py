@@ -26,7 +26,6 @@ from __future__ import annotations
 import math
 import os
 import weakref
-from array import array
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -43,7 +42,7 @@ from .ops.prefill import launch_prefill
 from .ops.quant import quantize_queries, quantize_queries_and_counts
 from .ops.select import expand_pools_and_append_tail, visible_counts
 from .ops.score import launch_paged_pool_topk, paged_pool_topk
-from .planning import concat_ranges, prefill_plan, slot_mappings
+from .planning import concat_ranges, host_int64, prefill_plan, slot_mappings
 
 LOGITS_BUDGET_ENV = "KPOOL_LOGITS_BUDGET_MB"
 DEFAULT_LOGITS_BUDGET_MB = 1024  # H200, prefill 8,192 queries x 8,192 / 32,768 pools: 256 MiB 6-9 / 28 ms
@@ -233,7 +232,7 @@ class KPoolCache:
         ring blocks as a host int64 tensor, when the caller has it."""
         width = max([len(r.pages) for r in reqs] + [1])
         if blocks is None:
-            blocks = _host_i64([r.block for r in reqs])
+            blocks = host_int64([r.block for r in reqs])
         return self._block_pages[:, :width].index_select(0, blocks)
 
     def page_table(self, request_ids) -> torch.Tensor:
@@ -344,12 +343,12 @@ class KPoolCache:
         starts = [r.length for r in reqs]
         self._reserve(request_ids, [], [s + n for s, n in zip(starts, counts)])
         p, width = self.pool_size, key.shape[1]
-        blocks = _host_i64([r.block for r in reqs])
+        blocks = host_int64([r.block for r in reqs])
         table = self._table(reqs, blocks)
         col = torch.arange(width, dtype=torch.int64)
-        pos = _host_i64(starts)[:, None] + col
+        pos = host_int64(starts)[:, None] + col
         if min(counts, default=width) < width:  # -1: rows of shorter lists
-            pos.masked_fill_(col >= _host_i64(counts)[:, None], -1)
+            pos.masked_fill_(col >= host_int64(counts)[:, None], -1)
         slots, tslots = slot_mappings(pos, blocks, table, p, self.page_size, self.ring)
         # positions, slots, tail slots twice, one upload: the write's tables (replayed by write_layer)
         # and the ones metadata() hands out, which a caller may change
@@ -559,7 +558,7 @@ class KPoolCache:
     def _identity_grid(self, runs, select_k) -> _IdentityGrid:
         """Rows seeing at most ``select_k`` pools (``runs``: ``(first row, first position, rows)``):
         every visible pool in order, then the tail."""
-        first_rows, starts, ms = (_host_i64(c) for c in zip(*runs))
+        first_rows, starts, ms = (host_int64(c) for c in zip(*runs))
         seq, lens = _row_counts(concat_ranges(starts, ms), self.pool_size, self.device)
         cols = torch.arange(select_k, dtype=torch.int64, device=self.device)
         ids = torch.where(cols[None, :] < lens[:, None], cols[None, :], -1).to(torch.int32)
@@ -573,18 +572,18 @@ class KPoolCache:
         reqs, first_rows, starts, ms, vis = (list(c) for c in zip(*chunk))
         dev, batch, n = self.device, len(chunk), max(ms)
         col = torch.arange(n, dtype=torch.int64)
-        pad = col[None, :] >= _host_i64(ms)[:, None]  # [B, n]
-        seq, lens = _row_counts(_host_i64(starts)[:, None].add(col).masked_fill_(pad, -1), self.pool_size, dev)
+        pad = col[None, :] >= host_int64(ms)[:, None]  # [B, n]
+        seq, lens = _row_counts(host_int64(starts)[:, None].add(col).masked_fill_(pad, -1), self.pool_size, dev)
         r0 = first_rows[0]
         if all(m == n for m in ms) and first_rows == list(range(r0, r0 + batch * n, n)):  # contiguous: no gathers
             rows = take = r0
         else:
-            rows = _upload(_host_i64(first_rows)[:, None].add(col).masked_fill_(pad, total).reshape(-1), dev)
+            rows = _upload(host_int64(first_rows)[:, None].add(col).masked_fill_(pad, total).reshape(-1), dev)
             take = rows.clamp(max=total - 1)
         if reqs == list(range(reqs[0], reqs[0] + batch)):
             pt = page_table[reqs[0]:reqs[0] + batch]
         else:
-            pt = page_table.index_select(0, _upload(_host_i64(reqs), dev))
+            pt = page_table.index_select(0, _upload(host_int64(reqs), dev))
         return _ScoredGrid(rows, take, pt, (batch, n), seq, lens, max(vis))
 
     def _select_grid(self, grid, q8, w, kv_cache, select_k, width) -> tuple:
@@ -706,7 +705,7 @@ class KPoolCache:
             wider = torch.full((self._block_pages.shape[0], max(max(cols) + 1, 2 * width)), -1, dtype=torch.int64)
             wider[:, :width] = self._block_pages
             self._block_pages = wider
-        self._block_pages[_host_i64(blocks), _host_i64(cols)] = _host_i64(pages)
+        self._block_pages[host_int64(blocks), host_int64(cols)] = host_int64(pages)
 
 
 # ---------------------------------------------------------------------- scoring helpers
@@ -780,17 +779,10 @@ def _pad_rows(rows: list, counts: list, device) -> torch.Tensor:
     width = max(counts + [1])
     out = torch.zeros((len(rows), width, HEAD_DIM), dtype=torch.bfloat16, device=device)
     if rows and sum(counts):
-        n = _host_i64(counts)
+        n = host_int64(counts)
         flat = concat_ranges(torch.arange(len(rows)) * width, n)  # row b, token j -> b * width + j
         out.view(-1, HEAD_DIM).index_copy_(0, _upload(flat, device), torch.cat(rows))
     return out
-
-
-def _host_i64(values) -> torch.Tensor:
-    """int64 CPU tensor ``[len(values)]`` of Python ints, through an ``array`` (a quarter of
-    ``torch.tensor``'s time for the per-request lists of a step: 17 vs 67 us at 1,024)."""
-    buf = array("q", values)
-    return torch.frombuffer(buf, dtype=torch.int64) if buf else torch.empty(0, dtype=torch.int64)
 
 
 def _upload(t: torch.Tensor, device) -> torch.Tensor:
