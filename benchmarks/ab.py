@@ -13,6 +13,10 @@ times them (CUDA-graph replay of small launches, inputs rotated for a cold L2, m
 without the byte checks. One line per (variant, case, impl); ``--out`` also writes them as
 JSON, with each variant's environment (GPU, versions, commit, source digest, patch). For
 comparisons only: the README's numbers come from ``run_all.py`` records.
+
+``--occupy-sms 0,39`` times every case once per listed count of SMs held by a spinning
+kernel (``occupy.py``: on an H100, 39 held leave each other SM about an H200's share of the
+bandwidth), with the copy bandwidth measured under the same hold.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ def parse_variant(text: str) -> dict:
     return {"name": name, "src": str(Path(src).resolve()), "patch": patch}
 
 
-def run_variant(variant: dict, op: str, cases: str, impls: list, mode: str, device: str, seed_path) -> list:
+def run_variant(variant: dict, op: str, cases: str, impls: list, mode: str, device: str, seed_path,
+                occupy_sms=(0,)) -> list:
     """This process times ``variant`` (its tree already first on ``sys.path``): records."""
     sys.path.insert(0, str(BENCH_DIR))
     import harness
@@ -47,16 +52,27 @@ def run_variant(variant: dict, op: str, cases: str, impls: list, mode: str, devi
     seed, err = harness.load_seed(seed_path or harness.default_seed_path())
     ctx = harness.Ctx(mode, device, seed, err, check=False)
     mod = harness.load_op_module(op)
-    out = [dict(harness.environment(ctx, seed_path), variant=variant["name"], patch=variant["patch"])]
-    for case in mod.cases(mode):
-        if not re.search(cases, case["label"]):
-            continue
-        for impl in impls or mod.impls(case):
-            rec = mod.bench(ctx, case, impl)
-            out.append({"variant": variant["name"], "case": case["label"], "impl": impl, "us": rec.get("us"),
-                        "kpool_file": kpool.__file__})
-            print(f"{variant['name']:14s} {case['label']:34s} {impl:12s} {rec.get('us') or float('nan'):10.3f} us",
-                  flush=True)
+    meta = dict(harness.environment(ctx, seed_path), variant=variant["name"], patch=variant["patch"], holds=[])
+    out = [meta]
+    for n in occupy_sms:
+        if n:
+            import occupy
+            ctx.occupier = occupy.Occupier(n, ctx.device)
+        hold = dict(occupy_sms=n, copy_gbps=ctx.measure_copy()["gbps"] if ctx.cuda else None)
+        for case in mod.cases(mode):
+            if not re.search(cases, case["label"]):
+                continue
+            for impl in impls or mod.impls(case):
+                rec = mod.bench(ctx, case, impl)
+                out.append({"variant": variant["name"], "case": case["label"], "impl": impl, "us": rec.get("us"),
+                            "occupy_sms": n, "kpool_file": kpool.__file__})
+                print(f"{variant['name']:14s} {case['label']:34s} {impl:12s} held {n:3d} "
+                      f"{rec.get('us') or float('nan'):10.3f} us", flush=True)
+        if ctx.occupier is not None:
+            hold.update(ctx.occupier.report())
+            ctx.occupier = None
+        meta["holds"].append(hold)
+        print(f"{variant['name']:14s} held {n:3d}: {hold}", flush=True)
     return out
 
 
@@ -69,21 +85,23 @@ def main(argv=None) -> int:
     p.add_argument("--mode", default="full", choices=("full", "quick", "dry"))
     p.add_argument("--device", default="cuda")
     p.add_argument("--seed-path", default=None)
+    p.add_argument("--occupy-sms", default="0", help="comma-separated counts of SMs held while timing (occupy.py)")
     p.add_argument("--out", default=None, help="JSON of the records and each variant's environment")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # JSON of one variant: run it here
     a = p.parse_args(argv)
     impls = [i for i in a.impls.split(",") if i]
+    holds = [int(n) for n in a.occupy_sms.split(",") if n]
     if not a.child and not a.variant:
         p.error("at least one --variant NAME=SRC[::PATCH]")
     if a.child:
-        recs = run_variant(json.loads(a.child), a.op, a.cases, impls, a.mode, a.device, a.seed_path)
+        recs = run_variant(json.loads(a.child), a.op, a.cases, impls, a.mode, a.device, a.seed_path, holds)
         print("AB-RECORDS " + json.dumps(recs), flush=True)
         return 0
     records, variants = [], []
     for v in a.variant:
         env = dict(os.environ, PYTHONPATH=v["src"] + os.pathsep + os.environ.get("PYTHONPATH", ""))
         cmd = [sys.executable, __file__, "--op", a.op, "--cases", a.cases, "--impls", a.impls, "--mode", a.mode,
-               "--device", a.device, "--child", json.dumps(v)]
+               "--device", a.device, "--occupy-sms", a.occupy_sms, "--child", json.dumps(v)]
         if a.seed_path:
             cmd += ["--seed-path", a.seed_path]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)

@@ -29,6 +29,7 @@ Entry points: ``kpool.bench.run_benchmarks`` / ``python -m kpool.bench`` /
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import importlib.util
@@ -190,6 +191,7 @@ class Ctx:
         self.check = check
         self.deadline = deadline
         self.copy_gbps = None
+        self.occupier = None  # occupy.Occupier: SMs held while timing (ab.py --occupy-sms), else None
         self.profile = False  # run(): one eager call between cudaProfilerStart / Stop, no timing
         if self.cuda:
             props = torch.cuda.get_device_properties(self.device)
@@ -262,11 +264,12 @@ class Ctx:
         torch.cuda.synchronize()
         st = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         en = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        for r in range(reps):
-            a = sets[r % n]
-            st[r].record()
-            fn(*a)
-            en[r].record()
+        with self._held():
+            for r in range(reps):
+                a = sets[r % n]
+                st[r].record()
+                fn(*a)
+                en[r].record()
         torch.cuda.synchronize()
         return [s.elapsed_time(e) * 1e3 for s, e in zip(st, en)]
 
@@ -280,14 +283,18 @@ class Ctx:
         torch.cuda.synchronize()
         return graph
 
-    @staticmethod
-    def _replay_times(graph, reps):
+    def _held(self):
+        """The timed loop's context: ``self.occupier`` (SMs held) or nothing."""
+        return self.occupier if self.occupier is not None else contextlib.nullcontext()
+
+    def _replay_times(self, graph, reps):
         st = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         en = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        for r in range(reps):
-            st[r].record()
-            graph.replay()
-            en[r].record()
+        with self._held():
+            for r in range(reps):
+                st[r].record()
+                graph.replay()
+                en[r].record()
         torch.cuda.synchronize()
         return [s.elapsed_time(e) * 1e3 for s, e in zip(st, en)]
 
