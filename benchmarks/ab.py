@@ -91,6 +91,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     impls = [i for i in a.impls.split(",") if i]
     holds = [int(n) for n in a.occupy_sms.split(",") if n]
+    if any(holds) and a.device == "cpu":
+        p.error("--occupy-sms holds SMs of a CUDA device: use 0 with --device cpu")
     if not a.child and not a.variant:
         p.error("at least one --variant NAME=SRC[::PATCH]")
     if a.child:

@@ -416,10 +416,14 @@ def test_ab_runs_each_variant_in_its_own_tree(tmp_path, capsys, monkeypatch):
     doc = json.loads(out.read_text())
     recs = doc["records"]
     assert rc == 0 and recs and {r["variant"] for r in recs} == {"plain"}
-    assert all(r["kpool_file"].startswith(src) and r["impl"] == "ours" for r in recs)
+    assert all(r["kpool_file"].startswith(src) and r["impl"] == "ours" and r["occupy_sms"] == 0 for r in recs)
     (meta,) = doc["variants"]  # the failed variant gave none
+    assert meta["holds"] == [{"occupy_sms": 0, "copy_gbps": None}]
     assert meta["variant"] == "plain" and meta["kpool_file"].startswith(src) and meta["torch"] == torch.__version__
     assert meta["git"]["source"] in ("git", "KPOOL_GIT_COMMIT", "unavailable") and meta["source_sha256"]
     assert "broken: exit 3" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         ab.main(["--op", "expand"])
+    with pytest.raises(SystemExit):
+        ab.main(["--op", "expand", "--device", "cpu", "--occupy-sms", "0,39", "--variant", f"plain={src}"])
+    assert "--occupy-sms holds SMs of a CUDA device" in capsys.readouterr().err
