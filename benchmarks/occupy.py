@@ -55,9 +55,9 @@ class Occupier:
             raise ValueError(f"n_sms must be in 1..{sms - 8} (the timed work needs SMs), got {n_sms}")
         self.n = int(n_sms)
         self.limit_ns = int(limit_s * 1e9)
-        hold = WARPS * 32 * KEEP
+        self.held = WARPS * 32 * KEEP  # floats the program keeps live (HOLD); its sums follow them in self.hold
         self.flag = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self.hold = torch.zeros(hold + self.n, dtype=torch.float32, device=self.device)
+        self.hold = torch.zeros(self.held + self.n, dtype=torch.float32, device=self.device)
         self.sm_ids = torch.full((self.n,), -1, dtype=torch.int32, device=self.device)
         self.side = torch.cuda.Stream(self.device)
         self.regs = None
@@ -67,8 +67,8 @@ class Occupier:
         self.flag.zero_()
         self.side.wait_stream(main)
         with torch.cuda.stream(self.side):
-            k = _occupy_kernel[(self.n,)](self.flag, self.hold, self.sm_ids, self.limit_ns,
-                                          HOLD=WARPS * 32 * KEEP, num_warps=WARPS)
+            k = _occupy_kernel[(self.n,)](self.flag, self.hold, self.sm_ids, self.limit_ns, HOLD=self.held,
+                                          num_warps=WARPS)
         self.regs = getattr(k, "n_regs", None)
         return self
 
