@@ -811,7 +811,7 @@ def test_decode_slot_mappings_formula():
     from kpool.planning import decode_slot_mappings
     rng = random.Random(7)
     for P, page, ring in ((4, 16, 8), (4, 64, 4), (16, 32, 32), (3, 5, 6)):
-        B, n, width = 9, 4, 3
+        B, n, width = 9, min(4, ring - P + 1), 3  # RING >= P + next_n - 1
         table = [[rng.choice([-1] + list(range(40))) for _ in range(width)] for _ in range(B)]
         blocks = [rng.randrange(50) for _ in range(B)]
         pos = [[rng.choice([-1, -7] + list(range(width * page * P + 2 * P))) for _ in range(n)] for _ in range(B)]
@@ -848,6 +848,8 @@ def test_decode_slot_mappings_rejects_bad_input():
                         ((4, 16, 6), "multiple of pool_size")):
         with pytest.raises(ValueError, match=name):
             decode_slot_mappings(z(2, 3), z(2), z(2, 1), *sizes)
+    with pytest.raises(ValueError, match=r"ring RING = 4 is too small for steps of next_n = 2"):
+        decode_slot_mappings(z(2, 2), z(2), z(2, 1), 4, 16, 4)  # a draft would overwrite what a redo reads
     pos = torch.tensor([[5, 6], [-1, -1]])
     with pytest.raises(ValueError, match="ring_blocks has a negative block"):
         decode_slot_mappings(pos, torch.tensor([-1, 0]), z(2, 1), 4, 16, 8)

@@ -452,6 +452,9 @@ CASES = {
     "layout": (lambda a, dev: a.update(layout="tiled"), "layout"),
     "fp8_dtype": (lambda a, dev: a.update(fp8_dtype=torch.float16), "fp8_dtype"),
     "round_scale not a bool": (lambda a, dev: a.update(round_scale="no"), "round_scale"),
+    "write_cache not a bool": (lambda a, dev: a.update(write_cache="no"), "write_cache"),
+    "return_compressed not a bool": (lambda a, dev: a.update(return_compressed=1), "return_compressed"),
+    "head_dim float": (lambda a, dev: a.update(head_dim=128.0), "head_dim"),
     "nothing to do": (lambda a, dev: a.update(write_cache=False), "write_cache"),
 }
 

@@ -427,6 +427,8 @@ def test_paged_validation(backend, device):
         call(q_fp8=q[:, :, :8], weights=w[:, :, :8])
     with pytest.raises(TypeError, match="q_fp8"):
         call(q_fp8=q.float())
+    with pytest.raises(TypeError, match="q_fp8 must be a torch.Tensor"):
+        call(q_fp8=None)
     with pytest.raises(ValueError, match="q_fp8"):
         call(q_fp8=q[..., :64])
     with pytest.raises(TypeError, match="fp8 formats disagree"):

@@ -122,6 +122,11 @@ def test_plan_rejects_inconsistent_state():
         prefill_plan([0, 5], [-4], [0], [[0]], P, PAGE, ring)
     with pytest.raises(ValueError, match=r"cu_seqlens \[R \+ 1\]"):
         prefill_plan([0, 5], [0, 0], [0, 1], [[0], [1]], P, PAGE, ring)
+    for i, name in enumerate(("cu_seqlens", "starts", "ring_blocks", "page_table")):  # a missing argument
+        args = [[0, 5], [0], [0], [[0]]]
+        args[i] = None
+        with pytest.raises(TypeError, match=rf"^{name} must be"):
+            prefill_plan(*args, P, PAGE, ring)
     plan = prefill_plan([0, 2], [5], [1], [[-1]], P, PAGE, ring)  # positions 5, 6 complete no pool: no page
     assert plan.pools.shape == (0, 2) and plan.requests.tolist() == [[2, 7, 1, 2, 0, 0, 0, -1]]
 

@@ -336,6 +336,8 @@ def test_history_group_budget_for_topk():
     assert sel.history_group_budget_for_topk(2048, 16) == 128
     with pytest.raises(ValueError, match="topk"):
         sel.history_group_budget_for_topk(2050, 4)
+    with pytest.raises(ValueError, match="topk must be >= 4"):  # no pool to select
+        sel.history_group_budget_for_topk(0, 4)
     with pytest.raises(ValueError, match="pool_size"):
         sel.history_group_budget_for_topk(2048, 0)
 
@@ -392,6 +394,8 @@ def _bad_calls():
         (X, (ids, ok, 16, 4), {"topk_offsets": _with(seq.long(), 2**31 - 3)}, ValueError, "topk_offsets maps"),
         (A, (hist, _with(seq.long(), 2**31), seq, 4), {}, ValueError, "seq_lens"),
         (A, (hist, seq + 5, seq, 4), {"topk_offsets": _with(seq.long(), 2**31 - 4)}, ValueError, "topk_offsets"),
+        (X, (ids, ok, 16, 4), {"topk_offsets": _with(seq.long(), -3)}, ValueError, "topk_offsets holds -3"),
+        (A, (hist, seq + 5, seq, 4), {"topk_offsets": _with(seq.long(), -1)}, ValueError, "topk_offsets holds -1"),
         (sel.build_pooled_page_table, (pt[:, :62], 4), {}, ValueError, "page_table"),
         (sel.build_pooled_page_table, (pt.float(), 4), {}, TypeError, "page_table"),
         (sel.build_pooled_page_table, (pt[0, 0], 4), {}, ValueError, "page_table"),

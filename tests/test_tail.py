@@ -413,7 +413,7 @@ SEED_BAD = [
     ("tslot-out-of-range", lambda a, dv: {"tslot": torch.tensor([0, 1, 2, -1, 24], device=dv)}, ValueError,
      "tslot"),
     ("head_dim", lambda a, dv: {"head_dim": 64}, ValueError, "head_dim"),
-    ("kpool", lambda a, dv: {"kpool": 0}, ValueError, "pool_size|kpool"),
+    ("kpool", lambda a, dv: {"kpool": 0}, ValueError, r"^kpool must be a positive int"),
 ]
 
 

@@ -69,6 +69,8 @@ def int_list(name: str, values) -> list[int]:
         return values.tolist()
     if type(values) in (list, tuple) and all(type(v) is int for v in values):  # the common case, one pass
         return list(values)
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"{name} must be a sequence of ints or a 1-D integer tensor, got {type(values).__name__}")
     out = []
     for v in values:
         if isinstance(v, bool) or (torch.is_tensor(v) and v.dtype == torch.bool):
@@ -92,8 +94,8 @@ def check_positive_int(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
-def check_pool_size(pool_size: int) -> None:
-    check_positive_int("pool_size", pool_size)
+def check_pool_size(pool_size: int, name: str = "pool_size") -> None:
+    check_positive_int(name, pool_size)
 
 
 MAX_SLOTS = 2**31  # cache slots (num_pages * PAGE) the writers address with 32-bit arithmetic
@@ -155,8 +157,18 @@ def check_tail(tail, pool_size: int, device, name: str = "tail_kv_cache") -> int
     return ring
 
 
+def check_ring_depth(name: str, ring: int, pool_size: int, next_n: int) -> None:
+    """Steps of ``next_n`` tokens need ``RING >= P + next_n - 1``: the committed ring entries
+    that a redo after rejected drafts reads must survive the step's speculative stashes."""
+    if next_n - 1 > ring - pool_size:
+        raise ValueError(f"{name} RING = {ring} is too small for steps of next_n = {next_n} tokens "
+                         f"({next_n - 1} speculative): RING >= P + next_n - 1 = {pool_size + next_n - 1} keeps the "
+                         "committed ring entries that a redo after rejected drafts needs (RING = P only without "
+                         "speculation)")
+
+
 def check_head_dim(head_dim: int) -> None:
-    if head_dim != HEAD_DIM:
+    if type(head_dim) is not int or head_dim != HEAD_DIM:
         raise ValueError(f"head_dim must be {HEAD_DIM} (Hadamard-128), got {head_dim}")
 
 

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._checks import INT_DTYPES, check_positive_int, check_tensor, int_list
+from ._checks import INT_DTYPES, check_positive_int, check_ring_depth, check_tensor, int_list
 
 
 def _check_sizes(pool_size, page_size, ring) -> None:
@@ -38,7 +38,8 @@ def decode_slot_mappings(positions: torch.Tensor, ring_blocks: torch.Tensor, pag
     ring_blocks : int ``[B]`` each request's ring block.
     page_table : int ``[B, max_pages]`` pool-granular pages, -1 padded: pool ``m`` of row
         ``b`` lives at flat slot ``page_table[b, m // page_size] * page_size + m % page_size``.
-    pool_size, page_size, ring : P, PAGE, RING (``ring_size``).
+    pool_size, page_size, ring : P, PAGE, RING (``ring_size``; at least ``P + next_n - 1``, the
+        decode writer's rule: a smaller ring raises here, not at the first layer's write).
 
     Values are checked on the host only (no sync on a GPU): there a negative ring block of a
     live row gives negative tail slots, which the writers take for padding.
@@ -56,6 +57,7 @@ def decode_slot_mappings(positions: torch.Tensor, ring_blocks: torch.Tensor, pag
         raise ValueError(f"decode_slot_mappings takes positions [B, next_n], ring_blocks [B] and page_table "
                          f"[B, max_pages >= 1], got {list(positions.shape)}, {list(ring_blocks.shape)}, "
                          f"{list(page_table.shape)}")
+    check_ring_depth("ring", ring, pool_size, positions.shape[1])
     for name, t in (("ring_blocks", ring_blocks), ("page_table", page_table)):
         if t.device != positions.device:
             raise ValueError(f"{name} is on {t.device}, positions on {positions.device}: pass them on one device")
@@ -133,6 +135,8 @@ def prefill_plan(cu_seqlens, starts, ring_blocks, page_table, pool_size: int, pa
     cu, start, blocks = (_host_ints(name, v) for name, v in (("cu_seqlens", cu_seqlens), ("starts", starts),
                                                              ("ring_blocks", ring_blocks)))
     device = page_table.device if torch.is_tensor(page_table) else torch.device("cpu")
+    if not isinstance(page_table, (torch.Tensor, list, tuple)):
+        raise TypeError(f"page_table must be an integer tensor or nested lists of ints, got {type(page_table).__name__}")
     table = torch.as_tensor(page_table)
     if table.numel():
         check_tensor("page_table", table, dtype=INT_DTYPES)

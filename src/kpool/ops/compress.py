@@ -108,7 +108,9 @@ def kpool_compress_and_write_cache(kv_cache, slot_k, slot_score, ape, loc, pool_
     fp8_dtype : ``torch.float8_e4m3fn`` or ``torch.float8_e4m3fnuz`` (default from the platform).
     """
     check_head_dim(head_dim)
-    check_bool("round_scale", round_scale)
+    for name, flag in (("round_scale", round_scale), ("return_compressed", return_compressed),
+                       ("write_cache", write_cache)):
+        check_bool(name, flag)
     check_pool_size(pool_size)
     check_tensor("slot_k", slot_k, dtype=torch.bfloat16, ndim=3, shape=(None, pool_size, HEAD_DIM),
                  inner_contiguous=True)

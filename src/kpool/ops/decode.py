@@ -22,7 +22,7 @@ import triton.language as tl
 from .. import reference
 from .._backend import backend_for, native_fp8, pdl_launch, row_select
 from .._checks import (INT_DTYPES, check_bool, check_head_dim, check_index_ranges, check_kv_cache,
-                       check_pool_size, check_tail, check_tensor)
+                       check_pool_size, check_ring_depth, check_tail, check_tensor)
 from ..layout import HEAD_DIM, cdiv, fp8_max, next_pow2, resolve_fp8_dtype
 from . import _jit, _pdl
 
@@ -194,11 +194,7 @@ def kpool_decode_update_and_maybe_write_cache_batched(kv_cache, tail_kv_cache, t
     fp8_dtype = resolve_fp8_dtype(fp8_dtype, device)
     layout = check_kv_cache(kv_cache, layout, device)
     ring = check_tail(tail_kv_cache, pool_size, device)
-    if next_n - 1 > ring - pool_size:
-        raise ValueError(f"tail_kv_cache ring size RING = {ring} is too small for steps of next_n = {next_n} tokens "
-                         f"({next_n - 1} speculative): RING >= P + next_n - 1 = {pool_size + next_n - 1} keeps the "
-                         "committed ring entries that a redo after rejected drafts needs (RING = P only without "
-                         "speculation)")
+    check_ring_depth("tail_kv_cache ring size", ring, pool_size, next_n)
     check_index_ranges([("slot_mapping", slot_mapping, kv_cache.shape[0] * kv_cache.shape[1], "cache slots"),
                         ("tail_slot_mapping", tail_slot_mapping, tail_kv_cache.shape[0] * ring, "tail ring slots")],
                        ring_slots=("tail_slot_mapping", tail_slot_mapping, positions, ring))

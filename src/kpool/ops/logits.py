@@ -496,9 +496,9 @@ def paged_pool_logits(q_fp8, kv_cache, weights, pool_lens, page_table, *, layout
     fp32 ``[B * next_n, max_pools]``: row ``b * next_n + t`` holds the logits of pools
     ``j < pool_lens[b, t]`` and ``-inf`` after them (exact formulation: module docstring).
     """
-    device = q_fp8.device
     fp8_dtype, layout, max_pools, limit = check_paged_args(q_fp8, kv_cache, weights, pool_lens, page_table, layout,
                                                            fp8_dtype, max_pools)
+    device = q_fp8.device
     batch, next_n, heads = q_fp8.shape[:3]
     num_pages, page = kv_cache.shape[:2]
     if backend_for(device) == "torch":

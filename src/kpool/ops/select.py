@@ -214,9 +214,13 @@ def check_token_range(name: str, ids, pool_size: int, valid=None, topk_offsets=N
 
 
 def _check_offset_range(top_token: int, topk_offsets) -> None:
-    """Token ids up to ``top_token`` plus ``topk_offsets`` must stay below 2^31."""
+    """``topk_offsets`` must be non-negative (a negative one maps ids to other negatives than the
+    -1 padding), and token ids up to ``top_token`` plus them must stay below 2^31 (one read-back)."""
     if topk_offsets.numel():
-        top = top_token + int(topk_offsets.max())
+        low, high = torch.stack(torch.aminmax(topk_offsets)).tolist()
+        if low < 0:
+            raise ValueError(f"topk_offsets holds {low}: offsets must be >= 0")
+        top = top_token + high
         if top >= MAX_TOKENS:
             raise ValueError(f"topk_offsets maps token ids up to {top}, past the int32 output (< 2^31)")
 
@@ -509,7 +513,7 @@ def visible_counts(positions, pool_size):
 def history_group_budget_for_topk(topk, pool_size):
     """Number of pools to select so that expanding them yields ``topk`` tokens (``topk // P``)."""
     check_pool_size(pool_size)
-    _check_int("topk", topk)
+    _check_int("topk", topk, minimum=pool_size)
     if topk % pool_size:
         raise ValueError(f"topk ({topk}) must be a multiple of pool_size ({pool_size})")
     return topk // pool_size

@@ -112,7 +112,7 @@ def kpool_seed_tail_cache(tail_kv_cache, key, gate_score, tslot, kpool, head_dim
     kpool : P.
     """
     check_head_dim(head_dim)
-    check_pool_size(kpool)
+    check_pool_size(kpool, "kpool")
     check_tensor("key", key, dtype=torch.bfloat16, ndim=2, inner_contiguous=True)
     device = key.device
     n = key.shape[0]
