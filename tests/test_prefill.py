@@ -127,6 +127,7 @@ def test_plan_rejects_inconsistent_state():
         args[i] = None
         with pytest.raises(TypeError, match=rf"^{name} must be"):
             prefill_plan(*args, P, PAGE, ring)
+    assert prefill_plan([0, 5], [0], [0], torch.tensor([[0]]).numpy(), P, PAGE, ring).pools.shape == (1, 2)  # an array
     plan = prefill_plan([0, 2], [5], [1], [[-1]], P, PAGE, ring)  # positions 5, 6 complete no pool: no page
     assert plan.pools.shape == (0, 2) and plan.requests.tolist() == [[2, 7, 1, 2, 0, 0, 0, -1]]
 

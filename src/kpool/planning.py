@@ -135,9 +135,11 @@ def prefill_plan(cu_seqlens, starts, ring_blocks, page_table, pool_size: int, pa
     cu, start, blocks = (_host_ints(name, v) for name, v in (("cu_seqlens", cu_seqlens), ("starts", starts),
                                                              ("ring_blocks", ring_blocks)))
     device = page_table.device if torch.is_tensor(page_table) else torch.device("cpu")
-    if not isinstance(page_table, (torch.Tensor, list, tuple)):
-        raise TypeError(f"page_table must be an integer tensor or nested lists of ints, got {type(page_table).__name__}")
-    table = torch.as_tensor(page_table)
+    try:
+        table = torch.as_tensor(page_table)
+    except (TypeError, RuntimeError, ValueError):  # None, ragged lists, objects torch cannot read
+        raise TypeError(f"page_table must be an integer tensor or array [R, max_pages], got "
+                        f"{type(page_table).__name__}") from None
     if table.numel():
         check_tensor("page_table", table, dtype=INT_DTYPES)
     table = table.to("cpu", torch.int64)

@@ -214,7 +214,7 @@ def check_token_range(name: str, ids, pool_size: int, valid=None, topk_offsets=N
 
 
 def _check_offset_range(top_token: int, topk_offsets) -> None:
-    """``topk_offsets`` must be non-negative (a negative one maps ids to other negatives than the
+    """``topk_offsets`` must be non-negative (a negative one gives negative ids that are not the
     -1 padding), and token ids up to ``top_token`` plus them must stay below 2^31 (one read-back)."""
     if topk_offsets.numel():
         low, high = torch.stack(torch.aminmax(topk_offsets)).tolist()
