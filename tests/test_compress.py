@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import kpool
 from kpool import numerics, reference
-from kpool.layout import fp8_max
+from kpool.layout import fp8_max, resolve_fp8_dtype
 from kpool.ops import compress
 
 from _util import GarbageTorch, assert_bytes_equal, random_bytes_like
@@ -432,6 +432,7 @@ CASES = {
     "loc shape": (lambda a, dev: a.update(loc=a["loc"][:2]), "loc"),
     "loc device": (lambda a, dev: a.update(loc=a["loc"].to(_other_device(dev))), "loc"),
     "loc out of range": (lambda a, dev: a["loc"].__setitem__(1, 2 * 32), "loc"),
+    "loc repeats": (lambda a, dev: a["loc"].__setitem__(2, a["loc"][0]), "loc"),  # two programs, one slot
     "kv_cache dtype": (lambda a, dev: a.update(kv_cache=a["kv_cache"].view(torch.int8)), "kv_cache"),
     "kv_cache entry bytes": (lambda a, dev: a.update(kv_cache=torch.zeros(2, 32, 130, dtype=torch.uint8,
                                                                           device=dev)), "kv_cache"),
@@ -484,6 +485,22 @@ def test_slot_count_limit(monkeypatch):
         check_kv_cache(torch.empty((MAX_SLOTS // 64 + 1, 64, 132), dtype=torch.uint8, device=meta), "plain", meta)
     with pytest.raises(ValueError, match="num_pages"):
         kpool.KPoolCache(MAX_SLOTS // 32 + 1, page_size=32, max_requests=1, ape=torch.zeros(4, 128), device="cpu")
+
+
+def test_repeated_loc_not_written_twice_is_accepted(backend, device):
+    """A slot may repeat on rows that are not written (negative loc or write_mask False): those
+    programs write nothing, so nothing races; the written rows land as the oracle's."""
+    args = _valid(device)
+    args["loc"][2] = args["loc"][0]
+    for mask in ([True, True, False], [False, True, True]):
+        write_mask = torch.tensor(mask, device=device)
+        got, want = args["kv_cache"].clone(), args["kv_cache"].clone()
+        kpool.kpool_compress_and_write_cache(**dict(args, kv_cache=got), write_mask=write_mask)
+        reference.compress_and_write(want, args["slot_k"], args["slot_score"], args["ape"], args["loc"], write_mask,
+                                     resolve_fp8_dtype(None, want.device), "plain", True, False, True)
+        assert_bytes_equal(got, want, f"kv_cache, write_mask {mask}")
+    with pytest.raises(ValueError, match=r"^loc: cache slots written repeat"):
+        kpool.kpool_compress_and_write_cache(**args)
 
 
 def test_bad_backend_env(device, monkeypatch):

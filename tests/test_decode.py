@@ -671,6 +671,16 @@ BAD = [
     ("tail_slot_mapping-other-ring", lambda a, dv: {"tail_slot_mapping": torch.tensor([[0, 1, 2], [6, 7, -1]],
                                                                                       device=dv)},
      ValueError, r"tail_slot_mapping\[1, 0\] = 6 for position 2: not block \* RING \+ pos % RING"),
+    # requests run concurrently: two completions writing one slot, or two rows in one ring block, race
+    ("slot_mapping-repeat", lambda a, dv: {"positions": torch.tensor([[1, 2, 3], [2, 3, -1]], device=dv),
+                                           "tail_slot_mapping": torch.tensor([[1, 2, 3], [10, 11, -1]], device=dv),
+                                           "slot_mapping": torch.tensor([[-1, -1, 5], [-1, 5, -1]], device=dv)},
+     ValueError, r"slot_mapping: cache slots of completing tokens repeat: \[5\]"),
+    ("tail_slot_mapping-shared-block", lambda a, dv: {"positions": torch.tensor([[0, 1, 2], [4, 5, -1]], device=dv),
+                                                      "tail_slot_mapping": torch.tensor([[0, 1, 2], [4, 5, -1]],
+                                                                                        device=dv),
+                                                      "slot_mapping": torch.full((2, 3), -1, device=dv)},
+     ValueError, r"tail_slot_mapping: ring blocks of the requests \(rows\) repeat: \[0\]"),
     ("preshuffle-page24", lambda a, dv: {"kv_cache": torch.zeros((4, 24, 132), dtype=torch.uint8, device=dv),
                                          "layout": "preshuffle"}, ValueError, "preshuffle"),
     ("head_dim", lambda a, dv: {"head_dim": 64}, ValueError, "head_dim"),
@@ -709,10 +719,11 @@ class _ReadBacks(TorchFunctionMode):
 
 
 @pytest.mark.parametrize("bad", [None, "slot_mapping-out-of-range", "tail_slot_mapping-out-of-range",
-                                 "tail_slot_mapping-other-ring"])
+                                 "tail_slot_mapping-other-ring", "slot_mapping-repeat",
+                                 "tail_slot_mapping-shared-block"])
 def test_value_checks_read_back_once(bad, device, monkeypatch):
-    """The slot ranges and the ring-slot rule cost the host one read-back together (three syncs
-    before): counted up to the write, which is stubbed out."""
+    """The slot ranges, the ring-slot rule and the repeat checks cost the host one read-back
+    together: counted up to the write, which is stubbed out."""
     import kpool.ops.decode as decode_module
     monkeypatch.setenv("KPOOL_BACKEND", "torch")
     writes = []
@@ -724,7 +735,7 @@ def test_value_checks_read_back_once(bad, device, monkeypatch):
         if bad is None:
             decode_update(**args)
         else:
-            with pytest.raises(ValueError, match="tail_slot_mapping" if "tail" in bad else "slot_mapping"):
+            with pytest.raises(ValueError, match="^tail_slot_mapping" if "tail" in bad else "^slot_mapping"):
                 decode_update(**args)
     # a valid call: that one read; a bad one: found by it (the message then reads the offending entry)
     assert (mode.reads if bad is None else mode.reads[:1]) == ["tolist"], mode.reads
@@ -737,6 +748,9 @@ def test_valid_args_accepted(backend, device):
     decode_update(**_valid_args(device, page=64), layout="preshuffle", fp8_dtype=FNUZ)  # PAGE % 16 == 0
     decode_update(**_valid_args(device, ring=4, n=1), layout="plain")  # RING = P without speculation
     decode_update(**_valid_args(device, ring=8, n=5), layout="plain")  # RING = P + next_n - 1
+    # a slot repeated on tokens that complete no pool (vLLM-style per-token slots) is not written twice
+    decode_update(**dict(_valid_args(device), slot_mapping=torch.tensor([[7, 7, 7], [5, 5, -1]], device=device)),
+                  layout="plain")
 
 
 # --------------------------------------------------------------------------- property test

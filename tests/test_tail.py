@@ -412,6 +412,9 @@ SEED_BAD = [
     ("tail-device", lambda a, dv: {"tail_kv_cache": a["tail_kv_cache"].to("meta")}, ValueError, "tail_kv_cache"),
     ("tslot-out-of-range", lambda a, dv: {"tslot": torch.tensor([0, 1, 2, -1, 24], device=dv)}, ValueError,
      "tslot"),
+    # rows 1 and 4 (valid ranks 1 and 3) both seeded into slot 9: two programs, one slot
+    ("tslot-repeat", lambda a, dv: {"tslot": torch.tensor([0, 9, 2, -1, 9], device=dv)}, ValueError,
+     r"^tslot: ring slots seeded repeat: \[9\]"),
     ("head_dim", lambda a, dv: {"head_dim": 64}, ValueError, "head_dim"),
     ("kpool", lambda a, dv: {"kpool": 0}, ValueError, r"^kpool must be a positive int"),
 ]
@@ -436,6 +439,12 @@ def test_seed_valid_args_accepted(backend, device):
     args["key"] = torch.ones_like(args["key"])
     kpool_seed_tail_cache(**args)
     assert args["tail_kv_cache"][1, 0, 1].eq(1).all()  # tslot 9 = block 1, slot 1 (last row of the batch)
+    # a request longer than its ring (RING = P = 4) repeats slots, but only its last P are seeded
+    tail = torch.zeros((2, 2, 4, D), dtype=torch.bfloat16, device=device)
+    key = torch.arange(7 * D, device=device).reshape(7, D).bfloat16()
+    tslot = torch.tensor([0, 1, 2, -1, 3, 0, 1], device=device)
+    kpool_seed_tail_cache(tail, key, key, tslot, 4)
+    assert_bytes_equal(tail[0, 0], key[[5, 6, 2, 4]], "ring after a wrapped request")
 
 
 # --------------------------------------------------------------------------- property test

@@ -200,27 +200,60 @@ def check_index_range(name: str, t: torch.Tensor, upper: int, what: str) -> None
     check_index_ranges([(name, t, upper, what)])
 
 
-def check_index_ranges(ranges, ring_slots=None) -> None:
-    """``check_index_range`` of each ``(name, t, upper, what)`` in ``ranges`` and, with
+_NONE = torch.iinfo(torch.int64).max  # sorts after every live value
+
+
+def _repeat_flag(values: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """0-dim int64 on ``values``' device: 1 when two live entries are equal (one sort, no sync)."""
+    s = torch.where(live, values.to(torch.int64), _NONE).flatten().sort().values
+    return ((s[1:] == s[:-1]) & (s[1:] != _NONE)).any().to(torch.int64)
+
+
+def row_blocks(blocks: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, live)`` listing each row's distinct live ``blocks [rows, n]`` once, so a value
+    that repeats across them is a block two rows use."""
+    s = torch.where(live, blocks.to(torch.int64), _NONE).sort(dim=1).values
+    first = torch.ones_like(s, dtype=torch.bool)
+    first[:, 1:] = s[:, 1:] != s[:, :-1]
+    return s, first & (s != _NONE)
+
+
+def check_index_ranges(ranges, ring_slots=None, distinct=()) -> None:
+    """``check_index_range`` of each ``(name, t, upper, what)`` in ``ranges``; with
     ``ring_slots = (name, tail_slots, positions, ring)``, the ring-slot rule: a live token's
     ring slot must be ``block * RING + pos % RING`` (SPEC §3; a mapping built with another
-    ring size addresses other requests' blocks). One read-back for all; errors in that order."""
+    ring size addresses other requests' blocks); for each ``(name, entries, what)`` in
+    ``distinct``, ``entries()`` returns ``(values, live)`` with no two live values equal
+    (concurrent programs writing one entry race; called only when the checks run).
+    One read-back for all; errors in that order."""
     ranges = [r for r in ranges if r[1].numel()]
     live = ring_slots is not None and ring_slots[1].numel() > 0
-    if not (ranges or live) or not range_checks_enabled():
+    if not (ranges or live or distinct) or not range_checks_enabled():
         return
+    distinct = [(name, *entries(), what) for name, entries, what in distinct]
     stats = [r[1].max().to(torch.int64) for r in ranges]
     if live:
         _, tail_slots, positions, ring = ring_slots
         off = (tail_slots >= 0) & (positions >= 0) & (tail_slots % ring != positions % ring)
         stats.append(off.any().to(torch.int64))
+    stats += [_repeat_flag(values, mask) for _, values, mask, _ in distinct]
     values = torch.stack(stats).tolist()
     for (name, _, upper, what), top in zip(ranges, values):
         if top >= upper:
             raise ValueError(f"{name} holds {top}, outside the {what} (valid: 0..{upper - 1}, negative = padding)")
-    if live and values[-1]:
+    if live and values[len(ranges)]:
         name = ring_slots[0]
         k = off.nonzero()[0].tolist()
         raise ValueError(f"{name}{k} = {int(tail_slots[tuple(k)])} for position {int(positions[tuple(k)])}: "
                          f"not block * RING + pos % RING with the tail's RING = {ring} (built for another ring "
                          "size?)")
+    for (name, t, mask, what), flag in zip(distinct, values[len(values) - len(distinct):]):
+        if flag:
+            check_distinct(name, t[mask], what)
+
+
+def check_distinct(name: str, values: torch.Tensor, what: str) -> None:
+    """No value of ``values`` repeats (host read): concurrent programs writing one entry race."""
+    uniq, counts = torch.unique(values, return_counts=True)
+    if bool((counts > 1).any()):
+        raise ValueError(f"{name}: {what} repeat: {uniq[counts > 1][:4].tolist()} (each must appear once)")

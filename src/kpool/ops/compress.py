@@ -13,7 +13,7 @@ import triton.language as tl
 
 from .. import reference
 from .._backend import backend_for, interpreting, native_fp8, pdl_launch
-from .._checks import (INT_DTYPES, check_bool, check_head_dim, check_index_range, check_kv_cache,
+from .._checks import (INT_DTYPES, check_bool, check_head_dim, check_index_ranges, check_kv_cache,
                        check_pool_size, check_tensor)
 from ..layout import HEAD_DIM, cdiv, fp8_max, resolve_fp8_dtype, resolve_layout
 from . import _jit, _pdl
@@ -98,7 +98,8 @@ def kpool_compress_and_write_cache(kv_cache, slot_k, slot_score, ape, loc, pool_
     slot_k, slot_score : bf16 ``[n_pools, P, 128]`` raw keys / gate scores (any pool and slot
         strides, unit inner stride; a token-major window view works without a copy).
     ape : fp32 ``[P, 128]`` per-slot position bias.
-    loc : int64 ``[n_pools]`` flat slot ``page*PAGE + state``; negative = skip.
+    loc : int64 ``[n_pools]`` flat slot ``page*PAGE + state``; negative = skip; the written
+        slots must be distinct.
     pool_size : P.
     write_mask : optional bool ``[n_pools]``: only rows with True are written.
     round_scale : power-of-two (ue8m0) scales when True.
@@ -123,11 +124,13 @@ def kpool_compress_and_write_cache(kv_cache, slot_k, slot_score, ape, loc, pool_
         raise ValueError("nothing to do: write_cache=False and return_compressed=False")
     fp8_dtype = resolve_fp8_dtype(fp8_dtype, device)
     layout = check_kv_cache(kv_cache, layout, device) if write_cache else resolve_layout(layout, device)
-    if write_cache:
-        check_tensor("loc", loc, dtype=INT_DTYPES, shape=(n,), device=device)
-        check_index_range("loc", loc, kv_cache.shape[0] * kv_cache.shape[1], "cache slots")
     if write_mask is not None:
         check_tensor("write_mask", write_mask, dtype=torch.bool, shape=(n,), device=device)
+    if write_cache:
+        check_tensor("loc", loc, dtype=INT_DTYPES, shape=(n,), device=device)
+        check_index_ranges([("loc", loc, kv_cache.shape[0] * kv_cache.shape[1], "cache slots")],
+                           distinct=[("loc", lambda: (loc, (loc >= 0) & (True if write_mask is None else write_mask)),
+                                      "cache slots written")])
     if backend_for(device) == "torch":
         return reference.compress_and_write(kv_cache, slot_k, slot_score, ape, loc, write_mask, fp8_dtype, layout,
                                             round_scale, return_compressed, write_cache)

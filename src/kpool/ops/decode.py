@@ -22,7 +22,7 @@ import triton.language as tl
 from .. import reference
 from .._backend import backend_for, native_fp8, pdl_launch, row_select
 from .._checks import (INT_DTYPES, check_bool, check_head_dim, check_index_ranges, check_kv_cache,
-                       check_pool_size, check_ring_depth, check_tail, check_tensor)
+                       check_pool_size, check_ring_depth, check_tail, check_tensor, row_blocks)
 from ..layout import HEAD_DIM, cdiv, fp8_max, next_pow2, resolve_fp8_dtype
 from . import _jit, _pdl
 
@@ -170,10 +170,12 @@ def kpool_decode_update_and_maybe_write_cache_batched(kv_cache, tail_kv_cache, t
     kv_cache : uint8 ``[num_pages, PAGE, 132]``.
     tail_kv_cache : bf16 ``[num_blocks, 2, RING, 128]``, ``RING % P == 0``, ``RING >= P + next_n - 1``
         (room for the step's speculative tokens; padded block stride allowed).
-    tail_slot_mapping : int32/int64 ``[B, next_n]`` token-granular ring slots, -1 = padding.
+    tail_slot_mapping : int32/int64 ``[B, next_n]`` token-granular ring slots, -1 = padding;
+        each request (row) its own ring block.
     key, slot_score : bf16 ``[B, next_n, 128]`` (unit inner stride).
     ape : fp32 ``[P, 128]``.
-    slot_mapping : int32/int64 ``[B, next_n]`` pool slot on pool-completing tokens, else -1.
+    slot_mapping : int32/int64 ``[B, next_n]`` pool slot on pool-completing tokens, else -1;
+        the slots the step writes must be distinct.
     positions : int32/int64 ``[B, next_n]`` token positions, -1 = padding.
     pool_size : P.
     layout, fp8_dtype : as in ``kpool_compress_and_write_cache``.
@@ -197,9 +199,23 @@ def kpool_decode_update_and_maybe_write_cache_batched(kv_cache, tail_kv_cache, t
     check_ring_depth("tail_kv_cache ring size", ring, pool_size, next_n)
     check_index_ranges([("slot_mapping", slot_mapping, kv_cache.shape[0] * kv_cache.shape[1], "cache slots"),
                         ("tail_slot_mapping", tail_slot_mapping, tail_kv_cache.shape[0] * ring, "tail ring slots")],
-                       ring_slots=("tail_slot_mapping", tail_slot_mapping, positions, ring))
+                       ring_slots=("tail_slot_mapping", tail_slot_mapping, positions, ring),
+                       distinct=_step_writes(tail_slot_mapping, slot_mapping, positions, pool_size, ring))
     launch_decode_update(kv_cache, tail_kv_cache, tail_slot_mapping, key, slot_score, ape, slot_mapping, positions,
                          pool_size, layout, fp8_dtype, round_scale)
+
+
+def _step_writes(tail_slots, slot_mapping, positions, pool_size: int, ring: int) -> list:
+    """``check_index_ranges``' ``distinct`` entries of a step (requests run concurrently):
+    the cache slots its completing tokens write, and the ring blocks, each used by one request."""
+    def live():
+        return (positions >= 0) & (tail_slots >= 0)
+
+    def completions():
+        return slot_mapping, live() & (positions % pool_size == pool_size - 1) & (slot_mapping >= 0)
+
+    return [("slot_mapping", completions, "cache slots of completing tokens"),
+            ("tail_slot_mapping", lambda: row_blocks(tail_slots // ring, live()), "ring blocks of the requests (rows)")]
 
 
 def launch_decode_update(kv_cache, tail, tail_slots, key, gate, ape, slot_mapping, positions, pool_size, layout,

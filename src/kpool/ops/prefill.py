@@ -19,7 +19,8 @@ import triton.language as tl
 
 from .. import reference
 from .._backend import backend_for, native_fp8, pdl_launch, register_cap, row_select
-from .._checks import check_bool, check_kv_cache, check_pool_size, check_tail, check_tensor, range_checks_enabled
+from .._checks import (check_bool, check_distinct, check_kv_cache, check_pool_size, check_tail, check_tensor,
+                       range_checks_enabled)
 from ..layout import HEAD_DIM, cdiv, fp8_max, next_pow2, resolve_fp8_dtype
 from . import _jit, _pdl
 from .compress import NUM_WARPS, block_pools
@@ -99,15 +100,9 @@ def _check_tables(pools, requests, tokens: int, p: int, num_slots: int, num_bloc
     bad("requests", head & (head_loc >= num_slots), f"writes a head pool outside the cache's {num_slots} slots")
     # programs run concurrently: two writing one slot, or one seeding a ring another reads, race
     uses_ring = ((keep > 0) | head) & (block >= 0)  # block < 0: no ring (a head pool without one raised above)
-    _distinct("requests", block[uses_ring], "ring blocks of the requests that seed or read a ring")
-    _distinct("pools / requests", torch.cat((pl[:, 1][pl[:, 1] >= 0], head_loc[head & (head_loc >= 0)])),
-              "cache slots written")
-
-
-def _distinct(name, values, what) -> None:
-    uniq, counts = torch.unique(values, return_counts=True)
-    if bool((counts > 1).any()):
-        raise ValueError(f"{name}: {what} repeat: {uniq[counts > 1][:4].tolist()} (each must appear once)")
+    check_distinct("requests", block[uses_ring], "ring blocks of the requests that seed or read a ring")
+    check_distinct("pools / requests", torch.cat((pl[:, 1][pl[:, 1] >= 0], head_loc[head & (head_loc >= 0)])),
+                   "cache slots written")
 
 
 def launch_options(device, pool_size: int) -> dict:

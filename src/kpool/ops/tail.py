@@ -16,7 +16,7 @@ import triton.language as tl
 
 from .. import reference
 from .._backend import backend_for, pdl_launch
-from .._checks import INT_DTYPES, check_head_dim, check_index_range, check_pool_size, check_tail, check_tensor
+from .._checks import INT_DTYPES, check_head_dim, check_index_ranges, check_pool_size, check_tail, check_tensor
 from ..layout import HEAD_DIM, cdiv, next_pow2
 from . import _jit, _pdl
 
@@ -108,7 +108,8 @@ def kpool_seed_tail_cache(tail_kv_cache, key, gate_score, tslot, kpool, head_dim
     tslot : int32/int64 ``[n_tokens]`` token-granular ring slots ``block*RING + pos % RING``;
         negative = padding, anywhere (between requests or inside one). The seed's rule on the
         valid rows in order: a valid row is copied unless the valid row ``kpool`` valid rows
-        later is in the same block, so every request's last ``kpool`` valid tokens are seeded.
+        later is in the same block, so every request's last ``kpool`` valid tokens are seeded;
+        the seeded slots must be distinct.
     kpool : P.
     """
     check_head_dim(head_dim)
@@ -121,7 +122,8 @@ def kpool_seed_tail_cache(tail_kv_cache, key, gate_score, tslot, kpool, head_dim
                  inner_contiguous=True)
     check_tensor("tslot", tslot, dtype=INT_DTYPES, shape=(n,), device=device)
     ring = check_tail(tail_kv_cache, kpool, device)
-    check_index_range("tslot", tslot, tail_kv_cache.shape[0] * ring, "tail ring slots")
+    check_index_ranges([("tslot", tslot, tail_kv_cache.shape[0] * ring, "tail ring slots")],
+                       distinct=[("tslot", lambda: (tslot, _seeded(tslot, kpool, ring)), "ring slots seeded")])
     if n == 0:
         return None
     if backend_for(device) == "torch":
@@ -135,6 +137,18 @@ def kpool_seed_tail_cache(tail_kv_cache, key, gate_score, tslot, kpool, head_dim
         KPOOL=kpool, RING=ring, BT=BLOCK_TOKENS, W=WINDOW, **pdl_launch(device),
     )
     return None
+
+
+def _seeded(tslot: torch.Tensor, kpool: int, ring: int) -> torch.Tensor:
+    """bool ``[n_tokens]``: the rows ``kpool_seed_tail_cache`` copies (the seed's rule, on the
+    device without a sync: valid rows packed by rank, each compared with the one ``kpool`` later)."""
+    n = tslot.shape[0]
+    valid = tslot >= 0
+    rank = torch.cumsum(valid, 0) - 1
+    block = torch.where(valid, tslot // ring, -1)
+    packed = torch.full((n + kpool + 1,), -1, dtype=block.dtype, device=tslot.device)
+    packed.scatter_(0, torch.where(valid, rank, n + kpool), block)  # invalid rows land on the last entry
+    return valid & (packed[rank.clamp(min=0) + kpool] != block)
 
 
 def seed_requests(tail, key, gate, meta, keep):
