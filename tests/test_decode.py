@@ -13,6 +13,7 @@ immutability: one formulation in every writer). SPEC §6 traps are named in test
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -795,3 +796,32 @@ def test_random_decode_schedules(data, backend, device):
                 c = sc.cursor[r]
                 sc.keys[r, c:c + back] = bf16_randn((back, D), sc.gen)
                 sc.gates[r, c:c + back] = bf16_randn((back, D), sc.gen, 2.0)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(P=st.sampled_from([1, 4]), B=st.integers(1, 5), n=st.integers(1, 4), data=st.data())
+def test_step_repeat_checks_match_a_loop(P, B, n, data):
+    """The decode update's repeat checks (``_step_writes``) raise exactly when a loop over the
+    step finds two completing tokens with one cache slot, or two rows with live tokens in one
+    ring block (random blocks, slots from a small set, padding anywhere)."""
+    from kpool._checks import check_index_ranges
+    from kpool.ops.decode import _step_writes
+    ring = 2 * P + n
+    ring += -ring % P
+    blocks = data.draw(st.lists(st.integers(0, 3), min_size=B, max_size=B))
+    pos = [[data.draw(st.integers(-1, 9)) for _ in range(n)] for _ in range(B)]
+    loc = [[data.draw(st.sampled_from([-1, 0, 1, 2])) for _ in range(n)] for _ in range(B)]
+    dead_slot = [[data.draw(st.booleans()) and data.draw(st.booleans()) for _ in range(n)] for _ in range(B)]
+    ts = [[-1 if dead_slot[b][j] or pos[b][j] < 0 else blocks[b] * ring + pos[b][j] % ring for j in range(n)]
+          for b in range(B)]
+    live = [(b, j) for b in range(B) for j in range(n) if pos[b][j] >= 0 and ts[b][j] >= 0]
+    written = [loc[b][j] for b, j in live if pos[b][j] % P == P - 1 and loc[b][j] >= 0]
+    users = {}
+    for b, _ in live:
+        users.setdefault(blocks[b], set()).add(b)
+    expect = ("^slot_mapping" if len(set(written)) < len(written)
+              else "^tail_slot_mapping" if any(len(rows) > 1 for rows in users.values()) else None)
+    tensors = [torch.tensor(x, dtype=torch.int64) for x in (ts, loc, pos)]
+    with pytest.raises(ValueError, match=expect) if expect else contextlib.nullcontext():
+        check_index_ranges([], distinct=_step_writes(*tensors, P, ring))

@@ -9,6 +9,7 @@ and the Triton kernels). SPEC §6 traps are named in test names.
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -497,3 +498,31 @@ def test_seed_padding_inside_a_long_request(backend, device):
         tail[block, 0, [p % ring for p in positions]] = batch.key[rows].to(device)
         tail[block, 1, [p % ring for p in positions]] = batch.gate[rows].to(device)
     assert_bytes_equal(got, want, "tail ring (whole buffer)")
+
+
+def _seeded_rows(tslot: list[int], kpool: int, ring: int) -> list[int]:
+    """The seed's rule, a loop: valid row ``r`` (in order) is copied unless the valid row
+    ``kpool`` valid rows later is in its block."""
+    valid = [i for i, t in enumerate(tslot) if t >= 0]
+    return [i for r, i in enumerate(valid)
+            if not (r + kpool < len(valid) and tslot[valid[r + kpool]] // ring == tslot[i] // ring)]
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(ring=st.sampled_from([4, 8]), kpool=st.sampled_from([1, 2, 4]),
+       tslot=st.lists(st.integers(-1, 2 * 8 - 1), max_size=24))
+def test_seed_repeat_check_matches_the_rule(ring, kpool, tslot):
+    """A call raises exactly when two rows the seed's rule copies share a ring slot (random
+    slots, padding anywhere, blocks interleaved); the copied rows are the rule's."""
+    from kpool.ops.tail import _seeded
+    tslot = [t if t < 2 * ring else t % (2 * ring) for t in tslot]
+    t = torch.tensor(tslot, dtype=torch.int64)
+    rows = _seeded_rows(tslot, kpool, ring)
+    assert _seeded(t, kpool, ring).nonzero().flatten().tolist() == rows
+    slots = [tslot[i] for i in rows]
+    tail = torch.zeros((2, 2, ring, D), dtype=torch.bfloat16)
+    key = torch.zeros((len(tslot), D), dtype=torch.bfloat16)
+    repeat = len(set(slots)) < len(slots)
+    with pytest.raises(ValueError, match="^tslot: ring slots seeded repeat") if repeat else contextlib.nullcontext():
+        kpool_seed_tail_cache(tail, key, key, t, kpool)
