@@ -427,3 +427,23 @@ def test_ab_runs_each_variant_in_its_own_tree(tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit):
         ab.main(["--op", "expand", "--device", "cpu", "--occupy-sms", "0,39", "--variant", f"plain={src}"])
     assert "--occupy-sms holds SMs of a CUDA device" in capsys.readouterr().err
+
+
+def test_size_sweep_scales_one_parameter_and_fits(tmp_path, capsys, monkeypatch):
+    """``benchmarks/size_sweep.py``: the case's ``--key`` set to each size (label too), every impl
+    timed, a least-squares fixed + per-unit fit; an unknown case or key is refused."""
+    sweep = _load("size_sweep")
+    assert sweep.fit([(1, 5.0), (2, 7.0), (4, 11.0)]) == pytest.approx((3.0, 2.0))
+    monkeypatch.setenv("KPOOL_BACKEND", "torch")
+    out = tmp_path / "sweep.json"
+    rc = sweep.main(["--op", "expand", "--case", "P=4 rows=8192 topk=2048", "--key", "rows", "--sizes", "2,3,5",
+                     "--impls", "ours", "--mode", "dry", "--device", "cpu", "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert rc == 0 and [r["case"] for r in doc["records"]] == [f"P=4 rows={n} topk=2048" for n in (2, 3, 5)]
+    assert all(r["us"] > 0 and r["bytes"] > 0 and r["floor_us"] is None for r in doc["records"])
+    assert set(doc["fits"]) == {"ours"} and doc["meta"]["torch"] == torch.__version__
+    base = ["--op", "expand", "--sizes", "2", "--mode", "dry", "--device", "cpu"]
+    for bad in (["--case", "P=4 rows=1", "--key", "rows"], ["--case", "P=4 rows=8192 topk=2048", "--key", "width"]):
+        with pytest.raises(SystemExit):
+            sweep.main(base + bad)
+    assert "no full-mode case" in capsys.readouterr().err
