@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from kpool.layout import HEAD_DIM
 
@@ -128,3 +129,17 @@ class GuardedTorch(GarbageTorch):
         assert self.guards, f"{what}: nothing was allocated"
         for i, (guard, was) in enumerate(self.guards):
             assert_bytes_equal(guard, was, f"{what}: the guard after allocation {i}")
+
+
+class ReadBacks(TorchFunctionMode):
+    """Counts the tensor -> host reads (``tolist``, ``item``, ``bool``/``int`` of a tensor) made inside it."""
+    READS = {"tolist", "item", "__bool__", "__int__", "__index__", "__float__"}
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.READS:
+            self.reads.append(func.__name__)
+        return func(*args, **(kwargs or {}))

@@ -20,9 +20,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch.overrides import TorchFunctionMode
 
-from _util import TAIL_OVERLAP_CASES, assert_bytes_equal, make_tail, random_bytes_like, strided_copy, view_tail
+from _util import (TAIL_OVERLAP_CASES, ReadBacks, assert_bytes_equal, make_tail, random_bytes_like, strided_copy,
+                   view_tail)
 from kpool import kpool_compress_and_write_cache, kpool_decode_update_and_maybe_write_cache_batched
 from kpool import layout as L
 from kpool import numerics
@@ -705,20 +705,6 @@ def test_decode_rejects(bad, backend, device):
         assert_bytes_equal(t, b, "buffer after a rejected call")
 
 
-class _ReadBacks(TorchFunctionMode):
-    """Counts the tensor -> host reads (``tolist``, ``item``, ``bool``/``int`` of a tensor) made inside it."""
-    READS = {"tolist", "item", "__bool__", "__int__", "__index__", "__float__"}
-
-    def __init__(self):
-        super().__init__()
-        self.reads = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in self.READS:
-            self.reads.append(func.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("bad", [None, "slot_mapping-out-of-range", "tail_slot_mapping-out-of-range",
                                  "tail_slot_mapping-other-ring", "slot_mapping-repeat",
                                  "tail_slot_mapping-shared-block"])
@@ -732,7 +718,7 @@ def test_value_checks_read_back_once(bad, device, monkeypatch):
     args = _valid_args(device)
     if bad is not None:
         args.update(next(case for case in BAD if case[0] == bad)[1](args, device))
-    with _ReadBacks() as mode:
+    with ReadBacks() as mode:
         if bad is None:
             decode_update(**args)
         else:

@@ -10,6 +10,8 @@ import torch
 
 from kpool.ops import select as sel
 
+from _util import ReadBacks
+
 # --- plain-Python oracles -------------------------------------------------------------------
 
 
@@ -410,6 +412,26 @@ def test_validation_errors_name_the_argument(backend, case):
     fn, args, kwargs, exc, match = _bad_calls()[case]
     with pytest.raises(exc, match=match):
         fn(*args, **kwargs)
+
+
+@pytest.mark.parametrize("op", ["expand_pools_and_append_tail", "expand_pools_to_tokens", "append_tail_to_topk"])
+def test_value_checks_read_back_once(op, device, monkeypatch):
+    """An expansion's value checks (ids, lengths, page table or offsets) cost the host one
+    read-back together: counted up to the expansion, which is stubbed out."""
+    monkeypatch.setenv("KPOOL_BACKEND", "torch")
+    calls = []
+    monkeypatch.setattr(sel.reference, op, lambda *a, **k: calls.append(a))
+    ids = torch.zeros((3, 4), dtype=torch.int64, device=device)
+    seq = torch.full((3,), 5, dtype=torch.int64, device=device)
+    pt = torch.zeros((3, 64), dtype=torch.int32, device=device)
+    args, kwargs = {
+        "expand_pools_and_append_tail": ((ids, seq, 4), {"page_table": pt}),
+        "expand_pools_to_tokens": ((ids, ids >= 0, 16, 4), {"topk_offsets": seq}),
+        "append_tail_to_topk": ((ids.int(), seq, seq // 4, 4), {"topk_offsets": seq}),
+    }[op]
+    with ReadBacks() as mode:
+        getattr(sel, op)(*args, **kwargs)
+    assert mode.reads == ["tolist"] and len(calls) == 1
 
 
 def test_int32_range_edges(backend, device):

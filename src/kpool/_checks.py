@@ -218,38 +218,46 @@ def row_blocks(blocks: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tensor, 
     return s, first & (s != _NONE)
 
 
-def check_index_ranges(ranges, ring_slots=None, distinct=()) -> None:
+def check_index_ranges(ranges, ring_slots=None, distinct=(), extra=()) -> list | None:
     """``check_index_range`` of each ``(name, t, upper, what)`` in ``ranges``; with
     ``ring_slots = (name, tail_slots, positions, ring)``, the ring-slot rule: a live token's
     ring slot must be ``block * RING + pos % RING`` (SPEC §3; a mapping built with another
     ring size addresses other requests' blocks); for each ``(name, entries, what)`` in
     ``distinct``, ``entries()`` returns ``(values, live)`` with no two live values equal
     (concurrent programs writing one entry race; called only when the checks run).
-    One read-back for all; errors in that order."""
-    ranges = [r for r in ranges if r[1].numel()]
+    One read-back for all, ``extra`` (0-dim int tensors, e.g. a caller's own extremes) with
+    them; errors in that order. Returns each range's largest entry (None where empty), then
+    ``extra``'s values; None when the checks do not run (``range_checks_enabled``)."""
+    if not range_checks_enabled():
+        return None
+    kept = [r for r in ranges if r[1].numel()]
     live = ring_slots is not None and ring_slots[1].numel() > 0
-    if not (ranges or live or distinct) or not range_checks_enabled():
-        return
+    if not (kept or live or distinct or extra):
+        return [None] * len(ranges)
     distinct = [(name, *entries(), what) for name, entries, what in distinct]
-    stats = [r[1].max().to(torch.int64) for r in ranges]
+    stats = [r[1].max().to(torch.int64) for r in kept]
     if live:
         _, tail_slots, positions, ring = ring_slots
         off = (tail_slots >= 0) & (positions >= 0) & (tail_slots % ring != positions % ring)
         stats.append(off.any().to(torch.int64))
     stats += [_repeat_flag(values, mask) for _, values, mask, _ in distinct]
+    stats += [e.to(torch.int64) for e in extra]
     values = torch.stack(stats).tolist()
-    for (name, _, upper, what), top in zip(ranges, values):
+    for (name, _, upper, what), top in zip(kept, values):
         if top >= upper:
             raise ValueError(f"{name} holds {top}, outside the {what} (valid: 0..{upper - 1}, negative = padding)")
-    if live and values[len(ranges)]:
+    if live and values[len(kept)]:
         name = ring_slots[0]
         k = off.nonzero()[0].tolist()
         raise ValueError(f"{name}{k} = {int(tail_slots[tuple(k)])} for position {int(positions[tuple(k)])}: "
                          f"not block * RING + pos % RING with the tail's RING = {ring} (built for another ring "
                          "size?)")
-    for (name, t, mask, what), flag in zip(distinct, values[len(values) - len(distinct):]):
+    flags = values[len(kept) + live:len(kept) + live + len(distinct)]
+    for (name, t, mask, what), flag in zip(distinct, flags):
         if flag:
             check_distinct(name, t[mask], what)
+    tops = iter(values)
+    return [next(tops) if r[1].numel() else None for r in ranges] + values[len(values) - len(extra):]
 
 
 def check_distinct(name: str, values: torch.Tensor, what: str) -> None:

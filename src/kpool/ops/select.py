@@ -16,7 +16,7 @@ import triton.language as tl
 from .. import reference
 from ..layout import cdiv, next_pow2
 from .._backend import backend_for, pdl_launch
-from .._checks import INT_DTYPES, check_index_range, check_pool_size, check_tensor, range_checks_enabled
+from .._checks import INT_DTYPES, check_index_range, check_index_ranges, check_pool_size, check_tensor, range_checks_enabled
 from . import _pdl
 
 # Mapping modes of ``_map_tokens``.
@@ -201,53 +201,59 @@ def natural_width(n_pools: int, pool_size: int) -> int:
     return n_pools * pool_size + pool_size - 1
 
 
-def check_token_range(name: str, ids, pool_size: int, valid=None, topk_offsets=None) -> None:
+POOL_ID_RANGE = "pool ids whose token ids fit int32"
+SEQ_LEN_RANGE = "int32 token ids"
+
+
+def check_token_range(name: str, ids, pool_size: int, valid=None, topk_offsets=None, also=()) -> None:
     """The int32 token ids of pools ``ids`` (negative = none; where ``valid``, if given) plus
-    their row's ``topk_offsets`` must fit int32: ``pool * P + o (+ offset) < 2^31`` (a sync;
-    skipped where ``range_checks_enabled`` says so)."""
-    if not (ids.numel() and range_checks_enabled()):
+    their row's ``topk_offsets`` must fit int32: ``pool * P + o (+ offset) < 2^31``; with the
+    ranges ``also`` in the same sync (skipped where ``range_checks_enabled`` says so)."""
+    if not range_checks_enabled():
         return
     live = ids if valid is None else torch.where(valid, ids, -1)
-    check_index_range(name, live, MAX_TOKENS // pool_size, "pool ids whose token ids fit int32")
-    if topk_offsets is not None:
-        _check_offset_range(int(live.max()) * pool_size + pool_size - 1, topk_offsets)
+    got = check_index_ranges([(name, live, MAX_TOKENS // pool_size, POOL_ID_RANGE), *also],
+                             extra=_offset_extremes(topk_offsets) if ids.numel() else [])
+    _check_offsets(got[1 + len(also):], None if got[0] is None else got[0] * pool_size + pool_size - 1)
 
 
-def _check_offset_range(top_token: int, topk_offsets) -> None:
-    """``topk_offsets`` must be non-negative (a negative one gives negative ids that are not the
-    -1 padding), and token ids up to ``top_token`` plus them must stay below 2^31 (one read-back)."""
-    if topk_offsets.numel():
-        low, high = torch.stack(torch.aminmax(topk_offsets)).tolist()
-        if low < 0:
-            raise ValueError(f"topk_offsets holds {low}: offsets must be >= 0")
-        top = top_token + high
-        if top >= MAX_TOKENS:
-            raise ValueError(f"topk_offsets maps token ids up to {top}, past the int32 output (< 2^31)")
+def _offset_extremes(topk_offsets) -> list:
+    """``[min, max]`` of ``topk_offsets`` (0-dim tensors, read back with a range check); none
+    without offsets."""
+    return list(torch.aminmax(topk_offsets)) if topk_offsets is not None and topk_offsets.numel() else []
 
 
-def _check_seq_lens(seq_lens, rows: int, device) -> None:
-    """int ``seq_lens [rows]`` whose tail token ids (below each length) fit int32."""
-    check_tensor("seq_lens", seq_lens, dtype=INT_DTYPES, shape=(rows,), device=device)
-    check_index_range("seq_lens", seq_lens, MAX_TOKENS, "int32 token ids")
+def _check_offsets(extremes: list, top_token: int | None) -> None:
+    """``topk_offsets`` (``extremes``: its read-back ``[min, max]``, empty for none) must be
+    non-negative (a negative one gives negative ids that are not the -1 padding), and token ids
+    up to ``top_token`` plus them must stay below 2^31."""
+    if not extremes or top_token is None:
+        return
+    low, high = extremes
+    if low < 0:
+        raise ValueError(f"topk_offsets holds {low}: offsets must be >= 0")
+    if top_token + high >= MAX_TOKENS:
+        raise ValueError(f"topk_offsets maps token ids up to {top_token + high}, past the int32 output (< 2^31)")
 
 
-def check_expansion(seq_lens, pool_size, width, rows: int, n_pools: int, device) -> int:
+def check_expansion(seq_lens, pool_size, width, rows: int, n_pools: int, device, also=()) -> int:
     """Validate the ``seq_lens [rows]``, ``pool_size`` and ``width`` of an expansion of ``n_pools``
-    pool ids per row (``expand_pools_and_append_tail``); returns ``width`` (None: the
-    ``natural_width``)."""
+    pool ids per row (``expand_pools_and_append_tail``), and the range of ``seq_lens`` with the
+    ranges ``also`` (one sync); returns ``width`` (None: the ``natural_width``)."""
     check_pool_size(pool_size)
-    _check_seq_lens(seq_lens, rows, device)
+    check_tensor("seq_lens", seq_lens, dtype=INT_DTYPES, shape=(rows,), device=device)
     natural = natural_width(n_pools, pool_size)
-    if width is None:
-        return natural
-    _check_int("width", width)
-    if width < natural:
-        raise ValueError(f"width must be >= n_pools*pool_size + pool_size - 1 = {natural}, got {width}")
-    return width
+    if width is not None:
+        _check_int("width", width)
+        if width < natural:
+            raise ValueError(f"width must be >= n_pools*pool_size + pool_size - 1 = {natural}, got {width}")
+    check_index_ranges([("seq_lens", seq_lens, MAX_TOKENS, SEQ_LEN_RANGE), *also])
+    return natural if width is None else width
 
 
-def _check_mapping(rows, device, page_table, topk_offsets):
-    """Validate the optional ``page_table [>= rows, W]`` / ``topk_offsets [rows] or [rows, 1]``."""
+def _check_mapping(rows, device, page_table, topk_offsets) -> list:
+    """Validate the optional ``page_table [>= rows, W]`` / ``topk_offsets [rows] or [rows, 1]``;
+    returns the page table's value range for the caller's ``check_index_ranges`` (one sync)."""
     if page_table is not None and topk_offsets is not None:
         raise ValueError("page_table and topk_offsets are mutually exclusive: pass at most one")
     if page_table is not None:
@@ -255,11 +261,11 @@ def _check_mapping(rows, device, page_table, topk_offsets):
         if page_table.shape[0] < rows or page_table.shape[1] < 1:
             raise ValueError(f"page_table must have shape [>= {rows}, >= 1] (one row per output row), "
                              f"got {list(page_table.shape)}")
-        check_index_range("page_table", page_table, MAX_TOKENS, "int32 output ids")
     if topk_offsets is not None:
         check_tensor("topk_offsets", topk_offsets, dtype=INT_DTYPES, device=device)
         if tuple(topk_offsets.shape) not in ((rows,), (rows, 1)):
             raise ValueError(f"topk_offsets must have shape [{rows}] or [{rows}, 1], got {list(topk_offsets.shape)}")
+    return [] if page_table is None else [("page_table", page_table, MAX_TOKENS, "int32 output ids")]
 
 
 def _map_args(page_table, topk_offsets, fallback):
@@ -323,9 +329,10 @@ def expand_pools_and_append_tail(pool_ids, seq_lens, pool_size, *, width=None, p
     check_tensor("pool_ids", pool_ids, dtype=INT_DTYPES, ndim=2)
     device = pool_ids.device
     rows, n_pools = pool_ids.shape
-    width = check_expansion(seq_lens, pool_size, width, rows, n_pools, device)
-    _check_mapping(rows, device, page_table, None)
-    check_token_range("pool_ids", pool_ids, pool_size)
+    check_pool_size(pool_size)
+    mapping = _check_mapping(rows, device, page_table, None)
+    width = check_expansion(seq_lens, pool_size, width, rows, n_pools, device,
+                            also=[*mapping, ("pool_ids", pool_ids, MAX_TOKENS // pool_size, POOL_ID_RANGE)])
     if backend_for(device) == "torch":
         return reference.expand_pools_and_append_tail(pool_ids, seq_lens, pool_size, width=width,
                                                       page_table=page_table)
@@ -360,8 +367,8 @@ def expand_pools_to_tokens(group_ids, group_valid, topk, pool_size, page_table=N
                          f"{list(group_ids.shape)}")
     check_tensor("group_valid", group_valid, dtype=torch.bool, shape=tuple(group_ids.shape), device=device)
     rows = group_ids.shape[0]
-    _check_mapping(rows, device, page_table, topk_offsets)
-    check_token_range("group_ids", group_ids, pool_size, group_valid, topk_offsets)
+    mapping = _check_mapping(rows, device, page_table, topk_offsets)
+    check_token_range("group_ids", group_ids, pool_size, group_valid, topk_offsets, also=mapping)
     if backend_for(device) == "torch":
         return reference.expand_pools_to_tokens(group_ids, group_valid, topk, pool_size, page_table, topk_offsets)
     out = torch.empty((rows, topk), dtype=torch.int32, device=device)
@@ -390,11 +397,13 @@ def append_tail_to_topk(topk_result, seq_lens, pool_lens, pool_size, page_table=
     check_tensor("topk_result", topk_result, dtype=torch.int32, ndim=2)
     device = topk_result.device
     rows, n_cols = topk_result.shape
-    _check_seq_lens(seq_lens, rows, device)
+    check_tensor("seq_lens", seq_lens, dtype=INT_DTYPES, shape=(rows,), device=device)
     check_tensor("pool_lens", pool_lens, dtype=INT_DTYPES, shape=(rows,), device=device)
-    _check_mapping(rows, device, page_table, topk_offsets)
-    if topk_offsets is not None and rows and range_checks_enabled():
-        _check_offset_range(int(seq_lens.max()) - 1, topk_offsets)
+    mapping = _check_mapping(rows, device, page_table, topk_offsets)
+    got = check_index_ranges([("seq_lens", seq_lens, MAX_TOKENS, SEQ_LEN_RANGE), *mapping],
+                             extra=_offset_extremes(topk_offsets))
+    if got is not None:
+        _check_offsets(got[1 + len(mapping):], None if got[0] is None else got[0] - 1)
     if pool_size == 1:
         return topk_result
     if backend_for(device) == "torch":
