@@ -20,7 +20,7 @@ from kpool.ops import _jit_fp8
 from kpool.ops import logits as logits_mod
 from kpool.ops.logits import RAGGED_TILE, RAGGED_TILES, paged_pool_logits, ragged_pool_logits
 from kpool.ops.score import paged_pool_topk
-from _util import GarbageTorch, random_bytes_like
+from _util import GarbageTorch, ReadBacks, random_bytes_like
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
@@ -554,6 +554,30 @@ def test_ragged_validation(backend, device):
         call(ke=ke + 1)
     with pytest.raises(TypeError, match="ke"):
         call(ke=ke.float())
+
+
+@pytest.mark.parametrize("op", ["paged", "ragged"])
+def test_value_checks_read_back_once(op, device, monkeypatch):
+    """The value checks of a scoring call (pool_lens and page_table maxima; ks / ke) cost the host
+    one read-back together: counted up to the scoring, which is stubbed out."""
+    monkeypatch.setenv("KPOOL_BACKEND", "torch")
+    fp8_dtype = torch.float8_e4m3fn
+    calls = []
+    monkeypatch.setattr(logits_mod.reference, f"{op}_pool_logits", lambda *a, **k: calls.append(a))
+    if op == "paged":
+        kv, _, _ = make_cache(2, 16, fp8_dtype, seed=61, device=device)
+        args = dict(q_fp8=rand_codes((1, 2, 16, 128), fp8_dtype, seed=62).to(device), kv_cache=kv,
+                    weights=weights((1, 2, 16), seed=63).to(device), layout="plain",
+                    pool_lens=torch.tensor([[5, 6]], dtype=torch.int32, device=device),
+                    page_table=torch.tensor([[0, 1]], dtype=torch.int32, device=device))
+    else:
+        args = dict(q_fp8=rand_codes((2, 16, 128), fp8_dtype, seed=91).to(device),
+                    k_codes=rand_codes((10, 128), fp8_dtype, seed=92).to(device),
+                    k_scale=torch.ones(10, device=device), weights=weights((2, 16), seed=93).to(device),
+                    ks=torch.zeros(2, dtype=torch.int32, device=device), ke=torch.full((2,), 10, device=device))
+    with ReadBacks() as mode:
+        (paged_pool_logits if op == "paged" else ragged_pool_logits)(**args)
+    assert mode.reads == ["tolist"] and len(calls) == 1
 
 
 def test_empty_inputs(backend, device):

@@ -47,7 +47,7 @@ import triton.language as tl
 
 from .. import reference
 from .._backend import backend_for, native_fp8, pdl_launch
-from .._checks import INT_DTYPES, check_kv_cache, check_tensor, range_checks_enabled
+from .._checks import INT_DTYPES, check_kv_cache, check_tensor, range_checks_enabled, read_maxima
 from ..layout import FP8_DTYPES, HEAD_DIM, cdiv, resolve_fp8_dtype
 from . import _jit, _jit_fp8, _pdl, topk
 from ._jit_fp8 import halves_table
@@ -424,12 +424,6 @@ def check_heads(name, heads):
         raise ValueError(f"{name} must have H in {SUPPORTED_HEADS} heads, got {heads}")
 
 
-def _max_value(t: torch.Tensor) -> int | None:
-    if t.numel() == 0 or not range_checks_enabled():
-        return None
-    return int(t.max())
-
-
 def pool_limit(max_pools: int, page_table, kv_cache) -> int:
     """The most pools a row of the paged scoring ops may see: ``min(max_pools, max_pages * PAGE)``."""
     return min(max_pools, page_table.shape[1] * kv_cache.shape[1])
@@ -460,12 +454,12 @@ def check_paged_args(q_fp8, kv_cache, weights, pool_lens, page_table, layout, fp
     if not isinstance(max_pools, int) or isinstance(max_pools, bool) or max_pools < 0:
         raise ValueError(f"max_pools must be a non-negative int, got {max_pools!r}")
     limit = pool_limit(max_pools, page_table, kv_cache)
-    top = _max_value(pool_lens)
-    if top is not None and top > limit:
-        raise ValueError(f"pool_lens holds {top}, more than min(max_pools={max_pools}, max_pages*PAGE={covered})")
-    top = _max_value(page_table)
-    if top is not None and top >= num_pages:
-        raise ValueError(f"page_table holds page {top}, outside the cache (valid: 0..{num_pages - 1}, "
+    top_len, top_page = read_maxima(pool_lens, page_table)
+    if top_len is not None and top_len > limit:
+        raise ValueError(f"pool_lens holds {top_len}, more than min(max_pools={max_pools}, "
+                         f"max_pages*PAGE={covered})")
+    if top_page is not None and top_page >= num_pages:
+        raise ValueError(f"page_table holds page {top_page}, outside the cache (valid: 0..{num_pages - 1}, "
                          "negative = none)")
     return fp8_dtype, layout, max_pools, limit
 
@@ -558,7 +552,7 @@ def ragged_pool_logits(q_fp8, k_codes, k_scale, weights, ks, ke, *, fp8_dtype=No
     check_tensor("ks", ks, dtype=INT_DTYPES, shape=(n_q,), device=device)
     check_tensor("ke", ke, dtype=INT_DTYPES, shape=(n_q,), device=device)
     if n_q and range_checks_enabled():
-        lo, hi = int(ks.min()), int(ke.max())
+        lo, hi = torch.stack([ks.min().to(torch.int64), ke.max().to(torch.int64)]).tolist()  # one read-back
         if lo < 0:
             raise ValueError(f"ks holds {lo}; pool windows start at 0 or later")
         if hi > n_keys:
