@@ -15,6 +15,8 @@ the in-order walk (``_in_order_step``), which gives the same bytes for any input
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -208,6 +210,7 @@ def kpool_decode_update_and_maybe_write_cache_batched(kv_cache, tail_kv_cache, t
 def _step_writes(tail_slots, slot_mapping, positions, pool_size: int, ring: int) -> list:
     """``check_index_ranges``' ``distinct`` entries of a step (requests run concurrently):
     the cache slots its completing tokens write, and the ring blocks, each used by one request."""
+    @functools.cache  # both entries use it; computed once, and only when the checks run
     def live():
         return (positions >= 0) & (tail_slots >= 0)
 

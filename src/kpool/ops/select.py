@@ -16,7 +16,8 @@ import triton.language as tl
 from .. import reference
 from ..layout import cdiv, next_pow2
 from .._backend import backend_for, pdl_launch
-from .._checks import INT_DTYPES, check_index_range, check_index_ranges, check_pool_size, check_tensor, range_checks_enabled
+from .._checks import (INT_DTYPES, check_index_range, check_index_ranges, check_pool_size, check_tensor,
+                       range_checks_enabled)
 from . import _pdl
 
 # Mapping modes of ``_map_tokens``.
