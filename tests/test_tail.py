@@ -250,16 +250,20 @@ def test_seed_request_across_program_boundary(backend, device):
         assert torch.equal(tail[block, 0, [p % ring for p in positions]].cpu(), batch.key[rows])
 
 
+def valid_rule_rows(tslot: list[int], kpool: int, ring: int, n_ts: int) -> list[int]:
+    """The rows the rule copies: on the valid rows in order, whatever their blocks, the r-th
+    valid row is copied unless the (r + kpool)-th valid row is in the same block."""
+    valid = [i for i, t in enumerate(tslot) if 0 <= t < n_ts]
+    return [i for r, i in enumerate(valid)
+            if not (r + kpool < len(valid) and tslot[valid[r + kpool]] // ring == tslot[i] // ring)]
+
+
 def oracle_seed_valid_rule(tail, key, gate, tslot, kpool):
-    """The rule on the valid rows in order, whatever their blocks: the r-th valid row is
-    copied unless the (r + kpool)-th valid row is in the same block."""
+    """``valid_rule_rows`` copied to their ring slots."""
     ring = tail.shape[2]
-    n_ts = tail.shape[0] * ring
-    rows = [i for i, t in enumerate(tslot.tolist()) if 0 <= t < n_ts]
-    for r, i in enumerate(rows):
-        t = int(tslot[i])
-        if r + kpool < len(rows) and int(tslot[rows[r + kpool]]) // ring == t // ring:
-            continue
+    ts = tslot.tolist()
+    for i in valid_rule_rows(ts, kpool, ring, tail.shape[0] * ring):
+        t = ts[i]
         tail[t // ring, 0, t % ring] = key[i]
         tail[t // ring, 1, t % ring] = gate[i]
 
@@ -441,11 +445,14 @@ def test_seed_valid_args_accepted(backend, device):
     kpool_seed_tail_cache(**args)
     assert args["tail_kv_cache"][1, 0, 1].eq(1).all()  # tslot 9 = block 1, slot 1 (last row of the batch)
     # a request longer than its ring (RING = P = 4) repeats slots, but only its last P are seeded
-    tail = torch.zeros((2, 2, 4, D), dtype=torch.bfloat16, device=device)
-    key = torch.arange(7 * D, device=device).reshape(7, D).bfloat16()
+    base, tail = make_tail(2, 4, device, seed=5)
+    want = base.clone()
+    key = torch.randn((7, D), generator=torch.Generator().manual_seed(6)).bfloat16().to(device)
     tslot = torch.tensor([0, 1, 2, -1, 3, 0, 1], device=device)
-    kpool_seed_tail_cache(tail, key, key, tslot, 4)
-    assert_bytes_equal(tail[0, 0], key[[5, 6, 2, 4]], "ring after a wrapped request")
+    kpool_seed_tail_cache(tail, key, key.flip(1), tslot, 4)
+    oracle_seed(view_tail(want, 2, 4), key, key.flip(1), tslot, 4)
+    assert_bytes_equal(base, want, "tail ring after a wrapped request (whole buffer)")
+    assert_bytes_equal(tail[0, 0], key[[5, 6, 2, 4]], "block 0's keys: the request's last 4 tokens")
 
 
 # --------------------------------------------------------------------------- property test
@@ -500,14 +507,6 @@ def test_seed_padding_inside_a_long_request(backend, device):
     assert_bytes_equal(got, want, "tail ring (whole buffer)")
 
 
-def _seeded_rows(tslot: list[int], kpool: int, ring: int) -> list[int]:
-    """The seed's rule, a loop: valid row ``r`` (in order) is copied unless the valid row
-    ``kpool`` valid rows later is in its block."""
-    valid = [i for i, t in enumerate(tslot) if t >= 0]
-    return [i for r, i in enumerate(valid)
-            if not (r + kpool < len(valid) and tslot[valid[r + kpool]] // ring == tslot[i] // ring)]
-
-
 @settings(max_examples=60, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(ring=st.sampled_from([4, 8]), kpool=st.sampled_from([1, 2, 4]),
@@ -518,7 +517,7 @@ def test_seed_repeat_check_matches_the_rule(ring, kpool, tslot):
     from kpool.ops.tail import _seeded
     tslot = [t if t < 2 * ring else t % (2 * ring) for t in tslot]
     t = torch.tensor(tslot, dtype=torch.int64)
-    rows = _seeded_rows(tslot, kpool, ring)
+    rows = valid_rule_rows(tslot, kpool, ring, 2 * ring)
     assert _seeded(t, kpool, ring).nonzero().flatten().tolist() == rows
     slots = [tslot[i] for i in rows]
     tail = torch.zeros((2, 2, ring, D), dtype=torch.bfloat16)
