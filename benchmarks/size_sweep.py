@@ -8,7 +8,9 @@ Takes the case of ``--op`` whose label is ``--case`` (``run_all.py``'s full mode
 ``--key`` parameter to each size (the label follows), times each impl as ``run_all.py`` does
 (graph replay, no checks) and fits ``us = fixed + size * per_unit`` per impl by least squares.
 ``fixed`` is what every call pays whatever its size (launch, ramp-up, drain); the steady
-fraction, floor per unit / ``per_unit``, is what longer calls approach. The JSON holds the
+fraction, floor per unit / ``per_unit``, is what longer calls approach. The impl ``copy`` is a
+device-to-device copy of the case's byte count (half read, half written; timed the same way):
+its fit is the fixed cost a plain copy of that size pays, against which the op's fixed cost reads. The JSON holds the
 environment (GPU, versions, commit), the copy bandwidth, every record and the fits.
 """
 
@@ -39,7 +41,8 @@ def main(argv=None) -> int:
     p.add_argument("--case", required=True, help="label of the full-mode case to scale, e.g. 'P=4 pools=65536'")
     p.add_argument("--key", required=True, help="the case parameter to set to each size, e.g. pools")
     p.add_argument("--sizes", required=True, help="comma-separated sizes")
-    p.add_argument("--impls", default="ours,seed", help="comma-separated implementations")
+    p.add_argument("--impls", default="ours,seed,copy",
+                   help="comma-separated implementations; copy: a plain copy of the same bytes")
     p.add_argument("--mode", default="full", choices=("full", "dry"), help="dry: the interpreter, tiny sizes")
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default=None, help="JSON path")
@@ -55,18 +58,25 @@ def main(argv=None) -> int:
         p.error(f"no full-mode case labelled {a.case!r} with a parameter {a.key!r} in bench_{a.op}")
     copy = ctx.measure_copy()["gbps"] if ctx.cuda else None
     print(f"copy bandwidth: {copy} GB/s", flush=True)
+    impls = a.impls.split(",")
+    if impls == ["copy"]:
+        p.error("--impls copy times the bytes of another impl's record: name one beside it")
+    impls = [i for i in impls if i != "copy"] + ["copy"] * ("copy" in impls)  # copy last: it needs the bytes
     records, old = [], f"{a.key}={base[a.key]}"
     for size in (int(s) for s in a.sizes.split(",")):
         case = dict(base, **{a.key: size, "label": base["label"].replace(old, f"{a.key}={size}")})
-        for impl in a.impls.split(","):
-            rec = mod.bench(ctx, case, impl)
+        for impl in impls:
+            if impl == "copy":
+                rec = ctx.copy_unit(next(r["bytes"] for r in records if r["size"] == size and r["bytes"]))
+            else:
+                rec = mod.bench(ctx, case, impl)
             floor = rec["bytes"] / copy / 1e3 if copy and rec.get("bytes") else None
             records.append(dict(case=case["label"], size=size, impl=impl, us=rec.get("us"), bytes=rec.get("bytes"),
                                 floor_us=floor))
             frac = f"{floor / rec['us']:.3f} of copy BW" if floor and rec.get("us") else ""
             print(f"{case['label']:28s} {impl:6s} {rec.get('us') or float('nan'):12.3f} us  {frac}", flush=True)
     fits = {}
-    for impl in a.impls.split(","):
+    for impl in impls:
         rs = [r for r in records if r["impl"] == impl and r["us"]]
         if len(rs) < 2:
             continue

@@ -437,13 +437,18 @@ def test_size_sweep_scales_one_parameter_and_fits(tmp_path, capsys, monkeypatch)
     monkeypatch.setenv("KPOOL_BACKEND", "torch")
     out = tmp_path / "sweep.json"
     rc = sweep.main(["--op", "expand", "--case", "P=4 rows=8192 topk=2048", "--key", "rows", "--sizes", "2,3,5",
-                     "--impls", "ours", "--mode", "dry", "--device", "cpu", "--out", str(out)])
+                     "--impls", "copy,ours", "--mode", "dry", "--device", "cpu", "--out", str(out)])
     doc = json.loads(out.read_text())
-    assert rc == 0 and [r["case"] for r in doc["records"]] == [f"P=4 rows={n} topk=2048" for n in (2, 3, 5)]
+    assert rc == 0 and [(r["case"], r["impl"]) for r in doc["records"]] == [
+        (f"P=4 rows={n} topk=2048", impl) for n in (2, 3, 5) for impl in ("ours", "copy")]
     assert all(r["us"] > 0 and r["bytes"] > 0 and r["floor_us"] is None for r in doc["records"])
-    assert set(doc["fits"]) == {"ours"} and doc["meta"]["torch"] == torch.__version__
+    ours, copy = ([r for r in doc["records"] if r["impl"] == i] for i in ("ours", "copy"))
+    assert [c["bytes"] for c in copy] == [o["bytes"] // 2 * 2 for o in ours]  # the copy moves the op's bytes
+    assert set(doc["fits"]) == {"ours", "copy"} and doc["meta"]["torch"] == torch.__version__
     base = ["--op", "expand", "--sizes", "2", "--mode", "dry", "--device", "cpu"]
-    for bad in (["--case", "P=4 rows=1", "--key", "rows"], ["--case", "P=4 rows=8192 topk=2048", "--key", "width"]):
+    for bad in (["--case", "P=4 rows=1", "--key", "rows"], ["--case", "P=4 rows=8192 topk=2048", "--key", "width"],
+                ["--case", "P=4 rows=8192 topk=2048", "--key", "rows", "--impls", "copy"]):
         with pytest.raises(SystemExit):
             sweep.main(base + bad)
-    assert "no full-mode case" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no full-mode case" in err and "name one beside it" in err
