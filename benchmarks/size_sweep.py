@@ -9,8 +9,8 @@ Takes the case of ``--op`` whose label is ``--case`` (``run_all.py``'s full mode
 (graph replay, no checks) and fits ``us = fixed + size * per_unit`` per impl by least squares.
 ``fixed`` is what every call pays whatever its size (launch, ramp-up, drain); the steady
 fraction, floor per unit / ``per_unit``, is what longer calls approach. The impl ``copy`` is a
-device-to-device copy of the case's byte count (half read, half written; timed the same way):
-its fit is the fixed cost a plain copy of that size pays, against which the op's fixed cost reads. The JSON holds the
+device-to-device copy of the case's byte count (half read, half written; eager events, as the
+copy bandwidth is measured): its fit is the fixed cost a plain copy of that size pays. The JSON holds the
 environment (GPU, versions, commit), the copy bandwidth, every record and the fits.
 """
 
