@@ -387,17 +387,18 @@ class Ctx:
         return {"bytes": 2 * size, "us": us, "gbps": 2 * size / us / 1e3, "reps": reps}
 
     def copy_unit(self, nbytes: int) -> dict:
-        """A record of ``dst.copy_(src)`` moving ``nbytes`` (``nbytes // 2`` read, as many written)
-        over rotated sets: a copy of an op's own size. Timed with eager events, as
-        ``measure_copy``: captured in a graph the copy becomes a memcpy node, which ran at 0.81
-        of the eager copy's bandwidth at every size on an H100 (52nd session)."""
-        half = max(int(nbytes) // 2, 1)
+        """A record of a streaming kernel moving ``nbytes`` (half read, half written) over rotated
+        sets, timed as the ops are (graph replay): ``torch.bitwise_not`` of int64 words, an
+        elementwise kernel. Not ``copy_``: captured in a graph that becomes a memcpy node, which
+        ran at 0.73-0.81 of the eager copy's bandwidth on an H100 (52nd session), and eagerly
+        timed it is host-bound below ~30 us."""
+        words = max(int(nbytes) // 16, 1)  # int64 words read (and as many written)
 
         def make_set(i):
-            return (torch.empty(half, dtype=torch.uint8, device=self.device).random_(0, 256),
-                    torch.empty(half, dtype=torch.uint8, device=self.device))
+            return (torch.empty(words, dtype=torch.int64, device=self.device).random_(),
+                    torch.empty(words, dtype=torch.int64, device=self.device))
 
-        return self.run(lambda src, dst: dst.copy_(src), make_set, bytes=2 * half, graph=False)
+        return self.run(lambda src, dst: torch.bitwise_not(src, out=dst), make_set, bytes=16 * words)
 
 
 # ----------------------------------------------------------------------------- units

@@ -2,15 +2,15 @@
 """Time against size for one benchmark case: how much of a call is a fixed cost.
 
     python benchmarks/size_sweep.py --op compress --case 'P=4 pools=65536' --key pools \
-        --sizes 16384,32768,65536,131072,262144,524288 --impls ours,seed --out $OUT/sweep.json
+        --sizes 16384,32768,65536,131072,262144,524288 --impls ours,seed,copy --out $OUT/sweep.json
 
 Takes the case of ``--op`` whose label is ``--case`` (``run_all.py``'s full mode), sets its
 ``--key`` parameter to each size (the label follows), times each impl as ``run_all.py`` does
 (graph replay, no checks) and fits ``us = fixed + size * per_unit`` per impl by least squares.
 ``fixed`` is what every call pays whatever its size (launch, ramp-up, drain); the steady
 fraction, floor per unit / ``per_unit``, is what longer calls approach. The impl ``copy`` is a
-device-to-device copy of the case's byte count (half read, half written; eager events, as the
-copy bandwidth is measured): its fit is the fixed cost a plain copy of that size pays. The JSON holds the
+streaming kernel moving the case's bytes (``Ctx.copy_unit``, graph replay like the ops): its fit is
+the fixed cost any kernel of that size pays. The JSON holds the
 environment (GPU, versions, commit), the copy bandwidth, every record and the fits.
 """
 
@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     p.add_argument("--key", required=True, help="the case parameter to set to each size, e.g. pools")
     p.add_argument("--sizes", required=True, help="comma-separated sizes")
     p.add_argument("--impls", default="ours,seed,copy",
-                   help="comma-separated implementations; copy: a plain copy of the same bytes")
+                   help="comma-separated implementations; copy: a streaming kernel moving the same bytes")
     p.add_argument("--mode", default="full", choices=("full", "dry"), help="dry: the interpreter, tiny sizes")
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default=None, help="JSON path")
