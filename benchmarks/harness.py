@@ -389,9 +389,9 @@ class Ctx:
     def copy_unit(self, nbytes: int) -> dict:
         """A record of a streaming kernel moving ``nbytes`` (half read, half written) over rotated
         sets, timed as the ops are (graph replay): ``torch.bitwise_not`` of int64 words, an
-        elementwise kernel. Not ``copy_``: captured in a graph that becomes a memcpy node, which
-        ran at 0.73-0.81 of the eager copy's bandwidth on an H100 (52nd session), and eagerly
-        timed it is host-bound below ~30 us."""
+        elementwise kernel. Not ``copy_``, which a graph captures as a memcpy node (0.73-0.81 of
+        the eager copy's bandwidth on an H100, 52nd session) and which, timed eagerly, is
+        host-bound below ~30 us."""
         words = max(int(nbytes) // 16, 1)  # int64 words read (and as many written)
 
         def make_set(i):
