@@ -258,6 +258,19 @@ def test_committed_tables_match_the_results_json():
         assert text[text.index(start):text.index(end) + len(end)] == block, f"{path.name} is stale"
 
 
+def test_other_gpus_tables_match_their_results_json():
+    """Each other GPU's committed table (``results/<gpu>.md``, e.g. the H100's) is what its
+    ``results/<gpu>.json`` renders to (``readme_table.py results/<gpu>.json --write results/<gpu>.md``)."""
+    rt = _load("readme_table")
+    tables = sorted((BENCH_DIR / "results").glob("*.md"))
+    assert tables, "no committed results/<gpu>.md"
+    for md in tables:
+        src = f"benchmarks/results/{md.stem}.json"
+        block = rt.render(json.loads((BENCH_DIR / "results" / f"{md.stem}.json").read_text()), src)
+        text = md.read_text()
+        assert text[text.index(rt.START):text.index(rt.END) + len(rt.END)] == block, f"{md.name} is stale"
+
+
 def test_bench_host_runs_and_renders(tmp_path, monkeypatch):
     """``bench_host.py`` (host time of KPoolCache steps, kernels stubbed on the CPU): the cases
     it is told to run, one record each, and the README block between its markers."""
