@@ -213,28 +213,25 @@ def check_token_range(name: str, ids, pool_size: int, valid=None, topk_offsets=N
     if not range_checks_enabled():
         return
     live = ids if valid is None else torch.where(valid, ids, -1)
-    got = check_index_ranges([(name, live, MAX_TOKENS // pool_size, POOL_ID_RANGE), *also],
-                             extra=_offset_extremes(topk_offsets) if ids.numel() else [])
-    _check_offsets(got[1 + len(also):], None if got[0] is None else got[0] * pool_size + pool_size - 1)
+    _check_ids_and_offsets([(name, live, MAX_TOKENS // pool_size, POOL_ID_RANGE), *also], topk_offsets,
+                           lambda top: top * pool_size + pool_size - 1)
 
 
-def _offset_extremes(topk_offsets) -> list:
-    """``[min, max]`` of ``topk_offsets`` (0-dim tensors, read back with a range check); none
-    without offsets."""
-    return list(torch.aminmax(topk_offsets)) if topk_offsets is not None and topk_offsets.numel() else []
-
-
-def _check_offsets(extremes: list, top_token: int | None) -> None:
-    """``topk_offsets`` (``extremes``: its read-back ``[min, max]``, empty for none) must be
-    non-negative (a negative one gives negative ids that are not the -1 padding), and token ids
-    up to ``top_token`` plus them must stay below 2^31."""
-    if not extremes or top_token is None:
+def _check_ids_and_offsets(ranges, topk_offsets, last_token) -> None:
+    """``check_index_ranges`` of ``ranges`` and, in the same read-back, ``topk_offsets``' extremes:
+    they must be non-negative (a negative one gives negative ids that are not the -1 padding) and
+    keep the token ids up to ``last_token(the first range's maximum)`` plus them below 2^31.
+    Offsets are read only where the first range has entries."""
+    read = topk_offsets is not None and topk_offsets.numel() > 0 and ranges[0][1].numel() > 0
+    got = check_index_ranges(ranges, extra=list(torch.aminmax(topk_offsets)) if read else [])
+    if not read or got is None or got[0] is None:
         return
-    low, high = extremes
+    low, high = got[len(ranges):]
+    top = last_token(got[0])
     if low < 0:
         raise ValueError(f"topk_offsets holds {low}: offsets must be >= 0")
-    if top_token + high >= MAX_TOKENS:
-        raise ValueError(f"topk_offsets maps token ids up to {top_token + high}, past the int32 output (< 2^31)")
+    if top + high >= MAX_TOKENS:
+        raise ValueError(f"topk_offsets maps token ids up to {top + high}, past the int32 output (< 2^31)")
 
 
 def check_expansion(seq_lens, pool_size, width, rows: int, n_pools: int, device, also=()) -> int:
@@ -401,10 +398,8 @@ def append_tail_to_topk(topk_result, seq_lens, pool_lens, pool_size, page_table=
     check_tensor("seq_lens", seq_lens, dtype=INT_DTYPES, shape=(rows,), device=device)
     check_tensor("pool_lens", pool_lens, dtype=INT_DTYPES, shape=(rows,), device=device)
     mapping = _check_mapping(rows, device, page_table, topk_offsets)
-    got = check_index_ranges([("seq_lens", seq_lens, MAX_TOKENS, SEQ_LEN_RANGE), *mapping],
-                             extra=_offset_extremes(topk_offsets))
-    if got is not None:
-        _check_offsets(got[1 + len(mapping):], None if got[0] is None else got[0] - 1)
+    _check_ids_and_offsets([("seq_lens", seq_lens, MAX_TOKENS, SEQ_LEN_RANGE), *mapping], topk_offsets,
+                           lambda top: top - 1)
     if pool_size == 1:
         return topk_result
     if backend_for(device) == "torch":
