@@ -110,14 +110,6 @@ def test_argument_errors():
             write_prefill(**dict(args, **{name: value}), layout="plain")
 
 
-def test_pool_count_limit(backend, monkeypatch):
-    """More pools than one launch indexes (``MAX_POOLS``, 32-bit pool indices; lowered here to 2
-    of the batch's 3) are rejected before anything is written, on both backends."""
-    from kpool import _checks
-    monkeypatch.setattr(_checks, "MAX_POOLS", 2)
-    _rejected(lambda tables: None, "pools has 3 pools")
-
-
 def test_plan_rejects_inconsistent_state():
     ring = ring_size(P, 0)
     with pytest.raises(ValueError, match="page_table row 0 has no page 1"):

@@ -108,16 +108,6 @@ def check_slot_count(name: str, slots: int) -> None:
                          "(2^31, 32-bit slot arithmetic)")
 
 
-MAX_POOLS = 2**31 - 64  # pools per writer launch: the pool programs index them with 32-bit arithmetic
-
-
-def check_pool_count(name: str, n_pools: int) -> None:
-    """A writer launch of ``n_pools`` pools must fit the pool programs' 32-bit pool indices."""
-    if n_pools > MAX_POOLS:
-        raise ValueError(f"{name} has {n_pools} pools; one launch writes at most {MAX_POOLS} "
-                         "(32-bit pool indices): split the call")
-
-
 def check_kv_cache(kv_cache, layout: str | None, device) -> str:
     """``kv_cache [num_pages, PAGE, 132] uint8`` with 4-byte-aligned pages and unit inner strides;
     returns ``layout`` resolved for the device and PAGE (``layout.resolve_layout``)."""
