@@ -1221,10 +1221,11 @@ def test_decode_tensor_views(backend):
         hs[1].cache.accept(["b", "a"], acc)
 
 
-@pytest.mark.parametrize("pool", [4, 16])
+@pytest.mark.parametrize("pool", [3, 4, 5, 16])
 def test_backends_write_identical_bytes(monkeypatch, pool):
     """The same schedule (with rejected drafts that write pools) on the torch and Triton backends
-    leaves the WHOLE kv_cache and ring byte-identical after every step, rolled-back bytes included."""
+    leaves the WHOLE kv_cache and ring byte-identical after every step, rolled-back bytes included;
+    pool sizes that are not powers of two (3, 5) too."""
     P = pool
     hs = {be: Harness(pool=P, spec=3, page=16, layout="preshuffle", fp8=torch.float8_e4m3fnuz, num_pages=3,
                       max_requests=3, seed=71) for be in ("torch", "triton")}
