@@ -256,25 +256,30 @@ def pool_vector(k_ptr, g_ptr, k_off, g_off, k_step, g_step,
                 ring_ptr, ring_off, ring_head, ring_pos0, n_ring,
                 ape_ptr, ape_stride, d, live,
                 BN: tl.constexpr, P: tl.constexpr, RING: tl.constexpr, HAS_RING: tl.constexpr,
-                ROW_SELECT: tl.constexpr):
+                ROW_SELECT: tl.constexpr, LOADS_FIRST: tl.constexpr = False):
     """Softmax(gate + ape)-pooled keys of BN pools, rounded to bf16 (SPEC §2 steps 1-2).
 
     Slot ``s`` of pool ``i`` is read from the ring (block at element ``ring_off[i]``, slot
     ``(ring_pos0[i] + s) % RING``, gates ``ring_head`` elements further) when
     ``HAS_RING`` and ``s < n_ring[i]``, else from the token rows ``k_off[i] + s*k_step``
-    and ``g_off[i] + s*g_step``. Two passes in slot order: the max of the logits (from
-    slot 0's, as ``numerics.pool_softmax``), then exp, denominator and weighted sum. The
-    key rows are loaded in the first pass (a tuple), so their loads are in flight before the
-    second pass needs them. Returns fp32 ``[BN, 128]``.
+    and ``g_off[i] + s*g_step``. Every gate and key row is loaded first, then two passes in
+    slot order: the max of the logits (from slot 0's, as ``numerics.pool_softmax``), then exp,
+    denominator and weighted sum. ``LOADS_FIRST``: a barrier after the row loads, so that
+    ptxas issues them all before the pooling starts instead of sinking some toward their use
+    (the writers' rule, ``compress.LOADS_FIRST_SLOTS``). Returns fp32 ``[BN, 128]``.
     """
+    gates = ()
     keys = ()
     for s in tl.static_range(P):
         ring_row = ring_off + ((ring_pos0 + s) % RING) * 128
-        g = load_slot(g_ptr, g_off + s * g_step, ring_ptr, ring_row + ring_head, s < n_ring, live, d,
-                      HAS_RING, ROW_SELECT)
+        gates = gates + (load_slot(g_ptr, g_off + s * g_step, ring_ptr, ring_row + ring_head, s < n_ring, live, d,
+                                   HAS_RING, ROW_SELECT),)
         keys = keys + (load_slot(k_ptr, k_off + s * k_step, ring_ptr, ring_row, s < n_ring, live, d,
                                  HAS_RING, ROW_SELECT),)
-        logit = slot_logit(g, ape_ptr, ape_stride, s, d)
+    if LOADS_FIRST:
+        tl.debug_barrier()
+    for s in tl.static_range(P):
+        logit = slot_logit(gates[s], ape_ptr, ape_stride, s, d)
         if s == 0:
             top = logit
         else:
@@ -282,10 +287,7 @@ def pool_vector(k_ptr, g_ptr, k_off, g_off, k_step, g_step,
     acc = tl.zeros((BN, 128), tl.float32)
     den = acc  # placeholders: slot 0 (pool_accumulate's FIRST) sets both
     for s in tl.static_range(P):
-        ring_row = ring_off + ((ring_pos0 + s) % RING) * 128
-        g = load_slot(g_ptr, g_off + s * g_step, ring_ptr, ring_row + ring_head, s < n_ring, live, d,
-                      HAS_RING, ROW_SELECT)
-        acc, den = pool_accumulate(acc, den, slot_logit(g, ape_ptr, ape_stride, s, d), top, keys[s], s == 0)
+        acc, den = pool_accumulate(acc, den, slot_logit(gates[s], ape_ptr, ape_stride, s, d), top, keys[s], s == 0)
     return pool_finish(acc, den)
 
 

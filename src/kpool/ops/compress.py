@@ -24,6 +24,13 @@ from . import _jit, _pdl
 BLOCK_POOLS = {4: 2}
 NUM_WARPS = 1
 INTERPRETER_BLOCK_POOLS = 16
+# The pool writers issue all their row loads before the pooling (pool_vector's LOADS_FIRST
+# barrier) when a program reads at most this many pool slots (BN * P): without it ptxas sinks
+# some of the prefill writer's row loads into the pooling. H100 with 39 SMs held (an H200's
+# bandwidth per SM), ab.py main / barrier / main: prefill P=4 60.67 / 60.23 / 60.85 us (no SMs
+# held 51.09 / 50.33 / 51.03), compress P=4 65K 58.61 / 58.17 / 58.35; at P=16 (16 slots) it
+# cost 7% (prefill 50.64 -> 54.42) and compress 1.4%: benchmarks/LOG.md, 53rd session.
+LOADS_FIRST_SLOTS = tl.constexpr(8)
 
 
 @triton.jit
@@ -48,7 +55,8 @@ def _compress_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
         if HAS_MASK:
             ok = ok & (tl.load(mask_ptr + i, mask=live, other=0) != 0)
     x = _jit.pool_vector(k_ptr, g_ptr, i * k_pool_stride, i * g_pool_stride, k_slot_stride, g_slot_stride,
-                         k_ptr, i, 0, i, i, ape_ptr, ape_stride, d, live, BN, P, P, False, False)
+                         k_ptr, i, 0, i, i, ape_ptr, ape_stride, d, live, BN, P, P, False, False,
+                         BN * P <= LOADS_FIRST_SLOTS)
     codes, scale = _jit.quantize(_jit.rotate(x, BN), FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)
     if WRITE_CACHE:
         _jit.store_entries(kv_ptr, kv_f32_ptr, page_stride, loc, ok, codes, scale, d, PAGE, PRESHUFFLE)

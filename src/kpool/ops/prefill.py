@@ -23,7 +23,7 @@ from .._checks import (check_bool, check_distinct, check_kv_cache, check_pool_si
                        range_checks_enabled)
 from ..layout import HEAD_DIM, cdiv, fp8_max, next_pow2, resolve_fp8_dtype
 from . import _jit, _pdl
-from .compress import NUM_WARPS, block_pools
+from .compress import LOADS_FIRST_SLOTS, NUM_WARPS, block_pools
 
 REQUEST_FIELDS = 8  # int64 per request row, see write_prefill
 # CUDA register cap by P: at P=16 the kernel compiles to 132 registers (15 one-warp programs
@@ -51,7 +51,8 @@ def _prefill_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_b
         row = tl.load(pool_ptr + i * 2, mask=live, other=0)
         loc = tl.load(pool_ptr + i * 2 + 1, mask=live, other=-1)
         x = _jit.pool_vector(key_ptr, g_ptr, row * key_stride, row * g_stride, key_stride, g_stride,
-                             tail_ptr, row, 0, row, row, ape_ptr, ape_stride, dv, live, BN, P, RING, False, False)
+                             tail_ptr, row, 0, row, row, ape_ptr, ape_stride, dv, live, BN, P, RING, False, False,
+                             BN * P <= LOADS_FIRST_SLOTS)
         _jit.encode_and_store(kv_ptr, kv_f32_ptr, page_stride, x, loc, live & (loc >= 0) & (loc < num_slots), dv,
                               BN, PAGE, PRESHUFFLE, FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)
     else:
