@@ -27,9 +27,9 @@ INTERPRETER_BLOCK_POOLS = 16
 # The pool writers issue all their row loads before the pooling (pool_vector's LOADS_FIRST
 # barrier) when a program reads at most this many pool slots (BN * P): without it ptxas sinks
 # some of the prefill writer's row loads into the pooling. H100 with 39 SMs held (an H200's
-# bandwidth per SM), ab.py main / barrier / main: prefill P=4 60.67 / 60.23 / 60.85 us (no SMs
-# held 51.09 / 50.33 / 51.03), compress P=4 65K 58.61 / 58.17 / 58.35; at P=16 (16 slots) it
-# cost 7% (prefill 50.64 -> 54.42) and compress 1.4%: benchmarks/LOG.md, 53rd session.
+# bandwidth per SM), ab.py main / this rule / main: prefill P=4 60.77 / 60.05 / 60.65 us (no SMs
+# held 51.07 / 50.35 / 51.10), compress P=4 65K 58.45 / 58.04 / 58.64, P=16 unchanged; a barrier
+# at P=16 too (16 slots) cost 7% there (prefill 50.64 -> 54.42): benchmarks/LOG.md, 53rd session.
 LOADS_FIRST_SLOTS = tl.constexpr(8)
 
 
