@@ -278,16 +278,17 @@ def pool_vector(k_ptr, g_ptr, k_off, g_off, k_step, g_step,
                                  HAS_RING, ROW_SELECT),)
     if LOADS_FIRST:
         tl.debug_barrier()
+    logits = ()
     for s in tl.static_range(P):
-        logit = slot_logit(gates[s], ape_ptr, ape_stride, s, d)
+        logits = logits + (slot_logit(gates[s], ape_ptr, ape_stride, s, d),)
         if s == 0:
-            top = logit
+            top = logits[0]
         else:
-            top = tl.maximum(top, logit)
+            top = tl.maximum(top, logits[s])
     acc = tl.zeros((BN, 128), tl.float32)
     den = acc  # placeholders: slot 0 (pool_accumulate's FIRST) sets both
     for s in tl.static_range(P):
-        acc, den = pool_accumulate(acc, den, slot_logit(gates[s], ape_ptr, ape_stride, s, d), top, keys[s], s == 0)
+        acc, den = pool_accumulate(acc, den, logits[s], top, keys[s], s == 0)
     return pool_finish(acc, den)
 
 
