@@ -26,6 +26,7 @@ each target with the ``auto`` choice, from the same table (``native_fp8_mode``).
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 
 import torch
@@ -58,6 +59,27 @@ def backend_for(device: torch.device) -> str:
             return "triton"
         return "torch"
     return "triton"
+
+
+def on_device_of(name: str):
+    """Decorator of the functions that launch kernels: they run with the current CUDA device set
+    to that of their tensor argument ``name``, as torch's own ops do. Triton launches on the
+    current device (and its current stream), so without it a tensor on another GPU than the
+    current one would be handed to a kernel running on the wrong GPU. Nothing is switched for
+    CPU tensors, when that device is already current, or when ``name`` is not a tensor (the
+    function's own checks then raise)."""
+    def wrap(fn):
+        pos = list(inspect.signature(fn).parameters).index(name)
+
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            device = getattr(args[pos] if pos < len(args) else kwargs.get(name), "device", None)
+            if device is None or device.type != "cuda" or device.index == torch.cuda.current_device():
+                return fn(*args, **kwargs)
+            with torch.cuda.device(device.index):
+                return fn(*args, **kwargs)
+        return run
+    return wrap
 
 
 def row_select() -> bool:

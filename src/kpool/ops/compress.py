@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .._backend import backend_for, interpreting, native_fp8, pdl_launch
+from .._backend import backend_for, interpreting, native_fp8, on_device_of, pdl_launch
 from .._checks import (INT_DTYPES, check_bool, check_head_dim, check_index_ranges, check_kv_cache,
                        check_pool_size, check_tensor)
 from ..layout import HEAD_DIM, cdiv, fp8_max, resolve_fp8_dtype, resolve_layout
@@ -95,6 +95,7 @@ def launch_compress(kv_cache, k, g, ape, loc, n_pools, pool_size, fp8_dtype, lay
     )
 
 
+@on_device_of("slot_k")
 def kpool_compress_and_write_cache(kv_cache, slot_k, slot_score, ape, loc, pool_size, head_dim=HEAD_DIM,
                                    write_mask=None, round_scale=True, return_compressed=False, write_cache=True,
                                    *, layout=None, fp8_dtype=None):

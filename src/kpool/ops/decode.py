@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .._backend import backend_for, native_fp8, pdl_launch, row_select
+from .._backend import backend_for, native_fp8, on_device_of, pdl_launch, row_select
 from .._checks import (INT_DTYPES, check_bool, check_head_dim, check_index_ranges, check_kv_cache,
                        check_pool_size, check_ring_depth, check_tail, check_tensor, row_blocks)
 from ..layout import HEAD_DIM, cdiv, fp8_max, next_pow2, resolve_fp8_dtype
@@ -221,6 +221,7 @@ def _step_writes(tail_slots, slot_mapping, positions, pool_size: int, ring: int)
             ("tail_slot_mapping", lambda: row_blocks(tail_slots // ring, live()), "ring blocks of the requests (rows)")]
 
 
+@on_device_of("key")
 def launch_decode_update(kv_cache, tail, tail_slots, key, gate, ape, slot_mapping, positions, pool_size, layout,
                          fp8_dtype, round_scale) -> None:
     """The decode update of arguments already validated (by the public op above, or built by

@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .._backend import backend_for, native_fp8, pdl_launch
+from .._backend import backend_for, native_fp8, on_device_of, pdl_launch
 from .._checks import INT_DTYPES, check_kv_cache, check_tensor, range_checks_enabled, read_maxima
 from ..layout import FP8_DTYPES, HEAD_DIM, cdiv, resolve_fp8_dtype
 from . import _jit, _jit_fp8, _pdl, topk
@@ -464,6 +464,7 @@ def check_paged_args(q_fp8, kv_cache, weights, pool_lens, page_table, layout, fp
     return fp8_dtype, layout, max_pools, limit
 
 
+@on_device_of("q_fp8")
 def paged_pool_logits(q_fp8, kv_cache, weights, pool_lens, page_table, *, layout=None, fp8_dtype=None,
                       max_pools=None):
     """Decode / speculative-verify pooled fp8 logits over the paged indexer cache.
@@ -517,6 +518,7 @@ def paged_pool_logits(q_fp8, kv_cache, weights, pool_lens, page_table, *, layout
     return out
 
 
+@on_device_of("q_fp8")
 def ragged_pool_logits(q_fp8, k_codes, k_scale, weights, ks, ke, *, fp8_dtype=None):
     """Prefill pooled fp8 logits of each query against a contiguous run of pools.
 

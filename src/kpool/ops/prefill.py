@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .._backend import backend_for, native_fp8, pdl_launch, register_cap, row_select
+from .._backend import backend_for, native_fp8, on_device_of, pdl_launch, register_cap, row_select
 from .._checks import (check_bool, check_distinct, check_kv_cache, check_pool_size, check_tail, check_tensor,
                        range_checks_enabled)
 from ..layout import HEAD_DIM, cdiv, fp8_max, next_pow2, resolve_fp8_dtype
@@ -156,6 +156,7 @@ def write_prefill(kv_cache, tail, key, gate, ape, pools, requests, pool_size, *,
     launch_prefill(kv_cache, tail, key, gate, ape, pools, requests, pool_size, layout, fp8_dtype, round_scale)
 
 
+@on_device_of("key")
 def launch_prefill(kv_cache, tail, key, gate, ape, pools, requests, pool_size, layout, fp8_dtype, round_scale) -> None:
     """``write_prefill`` of arguments already validated (by it, or built by ``KPoolCache`` for
     its own buffers), ``layout`` / ``fp8_dtype`` resolved: the torch reference or one launch,

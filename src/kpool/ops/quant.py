@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .._backend import backend_for, interpreting, native_fp8, pdl_launch
+from .._backend import backend_for, interpreting, native_fp8, on_device_of, pdl_launch
 from .._checks import INT_DTYPES, check_bool, check_pool_size, check_tensor
 from ..layout import HEAD_DIM, cdiv, fp8_max, resolve_fp8_dtype
 from . import _jit, _pdl
@@ -121,6 +121,7 @@ def quantize_queries(q, weights, *, fp8_dtype=None, round_scale=True):
     return _quantize(q, fp8_dtype, round_scale, weights)
 
 
+@on_device_of("q")
 def quantize_queries_and_counts(q, weights, positions, pool_size, *, fp8_dtype=None, round_scale=True):
     """``quantize_queries(q, weights)`` and ``select.visible_counts(positions, pool_size)`` in
     one launch (a decode / verify step's query side: ``cache.score_and_select``).
@@ -143,6 +144,7 @@ def quantize_queries_and_counts(q, weights, positions, pool_size, *, fp8_dtype=N
     return codes, scale, w, counts[0], counts[1]
 
 
+@on_device_of("q")
 def _quantize(q, fp8_dtype, round_scale, weights=None, positions=None, counts=None, pool_size=0):
     """Body of ``fwht128_quant_fp8`` / ``quantize_queries`` (``q`` already checked):
     ``(q_fp8 [..., 128], q_scale [..., 1], folded weights [...] or None)``; on the Triton

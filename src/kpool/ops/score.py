@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .._backend import backend_for, pdl_launch, register_cap
+from .._backend import backend_for, on_device_of, pdl_launch, register_cap
 from .._checks import check_positive_int
 from ..layout import cdiv, fp8_max, next_pow2
 from . import _pdl, select, topk
@@ -385,6 +385,7 @@ def paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, *
                                   max_pools, expand)
 
 
+@on_device_of("q_fp8")
 def launch_paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, fp8_dtype, layout, max_pools,
                            expand):
     """``paged_pool_topk`` of arguments already validated (by it, or built by ``KPoolCache`` for

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from .. import reference
 from ..layout import cdiv, next_pow2
-from .._backend import backend_for, pdl_launch
+from .._backend import backend_for, on_device_of, pdl_launch
 from .._checks import (INT_DTYPES, check_index_range, check_index_ranges, check_pool_size, check_tensor,
                        range_checks_enabled)
 from . import _pdl
@@ -304,6 +304,7 @@ def launch_expand_pools(ids, valid, seq_lens, out, pool_size, page_table=None, t
     )
 
 
+@on_device_of("pool_ids")
 def expand_pools_and_append_tail(pool_ids, seq_lens, pool_size, *, width=None, page_table=None):
     """Fused expansion of selected pools to tokens plus the always-selected tail.
 
@@ -339,6 +340,7 @@ def expand_pools_and_append_tail(pool_ids, seq_lens, pool_size, *, width=None, p
     return out
 
 
+@on_device_of("group_ids")
 def expand_pools_to_tokens(group_ids, group_valid, topk, pool_size, page_table=None, topk_offsets=None):
     """Expand selected pool ids to a ``topk``-wide token row (no tail).
 
@@ -375,6 +377,7 @@ def expand_pools_to_tokens(group_ids, group_valid, topk, pool_size, page_table=N
     return out
 
 
+@on_device_of("topk_result")
 def append_tail_to_topk(topk_result, seq_lens, pool_lens, pool_size, page_table=None, topk_offsets=None):
     """Append each row's tail tokens after its own history.
 
@@ -421,6 +424,7 @@ def append_tail_to_topk(topk_result, seq_lens, pool_lens, pool_size, page_table=
     return out
 
 
+@on_device_of("page_table")
 def build_pooled_page_table(page_table, pool_size):
     """Pool-granular page table: every ``pool_size``-th column of a token page table.
 
@@ -454,6 +458,7 @@ def build_pooled_page_table(page_table, pool_size):
     return out
 
 
+@on_device_of("page_table_64")
 def compute_pooled_write_locs(page_table_64, pool_ids, pool_size):
     """Map pool ids to flat cache slots through a 64-token page table (sglang-style).
 
@@ -489,6 +494,7 @@ def compute_pooled_write_locs(page_table_64, pool_ids, pool_size):
     return out
 
 
+@on_device_of("positions")
 def visible_counts(positions, pool_size):
     """Tokens and complete pools each query row sees, in one launch.
 

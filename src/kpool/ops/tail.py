@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .._backend import backend_for, pdl_launch
+from .._backend import backend_for, on_device_of, pdl_launch
 from .._checks import INT_DTYPES, check_head_dim, check_index_ranges, check_pool_size, check_tail, check_tensor
 from ..layout import HEAD_DIM, cdiv, next_pow2
 from . import _jit, _pdl
@@ -98,6 +98,7 @@ def _seed_requests_kernel(tail_ptr, tail_block_stride, tail_head, key_ptr, key_s
                    end_row, end_pos, block, n_keep, d, RING, KEEP)
 
 
+@on_device_of("key")
 def kpool_seed_tail_cache(tail_kv_cache, key, gate_score, tslot, kpool, head_dim=HEAD_DIM):
     """Seed each request's tail ring with its last ``kpool`` tokens of a prefill batch, in place.
 
@@ -151,6 +152,7 @@ def _seeded(tslot: torch.Tensor, kpool: int, ring: int) -> torch.Tensor:
     return valid & (packed[rank.clamp(min=0) + kpool] != block)
 
 
+@on_device_of("key")
 def seed_requests(tail, key, gate, meta, keep):
     """Per-request ring seeding (arguments already validated by the caller).
 

@@ -62,7 +62,7 @@ import triton.language as tl
 
 from .. import reference
 from ..layout import cdiv, next_pow2
-from .._backend import backend_for, interpreting, pdl_launch
+from .._backend import backend_for, interpreting, on_device_of, pdl_launch
 from .._checks import INT_DTYPES, check_positive_int, check_tensor, range_checks_enabled
 from . import _pdl, select
 
@@ -836,6 +836,7 @@ def threshold_select(cand, count, chunk, lens, n_cols, select_k, out, refine=Non
     )
 
 
+@on_device_of("logits")
 def select_pools(logits, pool_lens, select_k):
     """Deterministic top-``select_k`` pools of each row.
 
