@@ -32,12 +32,17 @@ Cases:
 the gathered keys to bf16, matmul, relu, per-head weights, head sum, mask, ``torch.topk``,
 and the reference expansion (eager, requests / rows in chunks to bound memory).
 
+``$KPOOL_BENCH_HEADS`` (default 32) times another head count (16 or 64: the issue's other H),
+e.g. ``KPOOL_BENCH_HEADS=64 python benchmarks/ab.py --op score ...``; the README's records are H = 32.
+
 Exactness (``ctx.check``): ours on a reduced case vs the CPU torch reference (decode:
 ``kpool.reference`` logits + selection + expansion; prefill: ``reference.serving_topk_indices``
 from the raw token keys).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -46,7 +51,7 @@ from kpool.layout import cdiv
 OP = "score"
 TITLE = "scoring + selection (issue 5)"
 P = 4
-HEADS = 32
+HEADS = int(os.environ.get("KPOOL_BENCH_HEADS", "32"))  # module docstring
 HEAD = 128
 PAGE = 64
 ENTRY = HEAD + 4

@@ -82,8 +82,9 @@ FILTER_MAX_REGS = 80  # one-row filtering leaves of H <= 32 (max_regs): 6 progra
 #                       32 x 128K / 128 x 1M: 96 87.4 us / 1.75 ms, 80 85.8 / 1.72, 72 86.8 / 1.75 at 89 registers
 #                       uncapped; at 76 (47th session) the cap no longer binds, and H100, 32 x 128K: 80 86.4 us, 72 (7
 #                       per SM) 88.2, 64 (8 per SM, 7 spills) 91.3) ...
-FILTER_MAX_REGS_H64 = 128  # ... and of H = 64 (sm_90 SASS since the position-max heads: 118 registers, none
-#                            spilled at 96, the cap of 5 programs per SM, 14 spill loads at 80; not timed)
+FILTER_MAX_REGS_H64 = 128  # ... and of H = 64 (120 registers: 4 programs per SM; H100 graph steps at 96, 5 per SM, no
+#                            spills: 32 x 32K 63.2 -> 56.3 us but 4 / 16 x 128K +3 / +5.5%, 64 x 32K +2.6%; at 80 all
+#                            slower: benchmarks/LOG.md, 54th)
 FILTER_MAX_REGS_ROWS2 = 96  # two-row filtering leaves of H <= 32 (verify steps, prefill chunks): 5 programs per SM
 #                              instead of 4 (118 registers uncapped, 10 spill loads at 96: sm_90 SASS; H100, prefill
 #                              8,192 queries x 8,192 / 32,768 pools: 3.53 -> 3.38, 10.16 -> 9.37 ms; verify not timed)
