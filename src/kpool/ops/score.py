@@ -122,7 +122,7 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
                        NATIVE_FP8: tl.constexpr, FILTER: tl.constexpr, FP8_MAX: tl.constexpr, ERROR: tl.constexpr,
                        SHAKE: tl.constexpr, STAGES: tl.constexpr, P: tl.constexpr, PB: tl.constexpr,
                        TAIL: tl.constexpr, TAIL_BLOCK: tl.constexpr, PDL: tl.constexpr):
-    _pdl.grid_dependency_sync(PDL)
+    _pdl.grid_dependency_wait(PDL)  # the next kernel launches after the tile loop (below)
     # Program (group, chunk): rows b * next_n + t for t in [t0, t0 + ROWS) of one request b
     # (same page table), pools [chunk * NT * BN, (chunk + 1) * NT * BN): each key tile is
     # decoded once and scored for all ROWS rows; each row keeps its KB best ranking keys. With
@@ -190,6 +190,11 @@ def _paged_topk_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_pt
                 topk.store_upper_bounds(lists, i, hi, live, BN)
             j0 += BN
             j += BN
+        # PDL: the next kernel (bound, survivors or select) launches once every leaf is past its
+        # loop; let at the leaves' start, its programs could take only the SMs a one-wave leaf
+        # grid left free (H100 graph steps: H = 64, 32 x 32K 63.5 -> 55.3 us; H = 32, 32 x 32K
+        # -2%, 1 x 128K -1.3 to -1.7%, the other cases within 0.4%: benchmarks/LOG.md, 54th)
+        _pdl.launch_dependents(PDL)
         for r in tl.static_range(ROWS):
             if t0 + r < next_n:
                 row = b * next_n + t0 + r
