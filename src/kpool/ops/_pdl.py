@@ -25,8 +25,8 @@ def grid_dependency_sync(PDL: tl.constexpr):
 @triton.jit
 def grid_dependency_wait(PDL: tl.constexpr):
     """The wait of ``grid_dependency_sync`` alone, for a kernel that lets the next one launch
-    later (``launch_dependents``) or at its end (a program that never calls it triggers at
-    exit). No-op when ``PDL`` is False."""
+    later (``launch_dependents``); a program that never calls that lets it at its exit.
+    No-op when ``PDL`` is False."""
     if PDL:
         gdc_wait()
 
