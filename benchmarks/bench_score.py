@@ -34,6 +34,8 @@ and the reference expansion (eager, requests / rows in chunks to bound memory).
 
 ``$KPOOL_BENCH_HEADS`` (default 32) times another head count (16 or 64: the issue's other H),
 e.g. ``KPOOL_BENCH_HEADS=64 python benchmarks/ab.py --op score ...``; the README's records are H = 32.
+``$KPOOL_BENCH_DECODE`` adds decode cases to every mode's, as comma-separated ``B:CTX[:NEXT_N]``
+(``CTX`` in tokens), e.g. ``KPOOL_BENCH_DECODE=2:131072,1:131072:2`` for small batches and verify steps.
 
 Exactness (``ctx.check``): ours on a reduced case vs the CPU torch reference (decode:
 ``kpool.reference`` logits + selection + expansion; prefill: ``reference.serving_topk_indices``
@@ -52,6 +54,7 @@ OP = "score"
 TITLE = "scoring + selection (issue 5)"
 P = 4
 HEADS = int(os.environ.get("KPOOL_BENCH_HEADS", "32"))  # module docstring
+EXTRA_DECODE = os.environ.get("KPOOL_BENCH_DECODE", "")  # module docstring
 HEAD = 128
 PAGE = 64
 ENTRY = HEAD + 4
@@ -78,6 +81,7 @@ def cases(mode):
         pre = [(8192, 4096), (8192, 8192), (8192, 32768)]  # rows of 4-8, 12-16 and 30-32 leaves of 512 pools
         rag = [(1024, 32768)]
         topk = 2048
+    dec = dec + extra_decode_cases(EXTRA_DECODE)
     out = [{"label": f"decode B={b} ctx={_ctx_label(c)}" + (f" n={n}" if n > 1 else ""), "kind": "decode",
             "batch": b, "ctx": c[1] if isinstance(c, tuple) else c, "ctx_lo": c[0] if isinstance(c, tuple) else None,
             "next_n": n, "rows": b * n, "index_topk": topk, "P": P, "heads": HEADS} for b, c, n in dec]
@@ -86,6 +90,18 @@ def cases(mode):
              "P": P, "heads": HEADS} for q, n in pre]
     out += [{"label": f"ragged logits q={q} pools={n}", "kind": "ragged", "queries": q, "pools": n, "rows": q,
              "P": P, "heads": HEADS} for q, n in rag]
+    return out
+
+
+def extra_decode_cases(spec: str) -> list:
+    """``(B, CTX, NEXT_N)`` of each ``B:CTX[:NEXT_N]`` in the comma-separated ``spec``."""
+    out = []
+    for item in filter(None, (t.strip() for t in spec.split(","))):
+        parts = item.split(":")
+        if len(parts) not in (2, 3) or not all(x.isdigit() and int(x) > 0 for x in parts):
+            raise ValueError(f"KPOOL_BENCH_DECODE takes B:CTX[:NEXT_N] items of positive ints, got {item!r}")
+        b, c, n = (int(x) for x in parts + ["1"] * (3 - len(parts)))
+        out.append((b, c, n))
     return out
 
 

@@ -449,6 +449,25 @@ def test_wide_plan_doubles_filtering_leaves_of_long_rows(monkeypatch):
     assert score.wide_plan(128, 262144, 512, "cuda") == (512, 512)
 
 
+def test_wide_plan_doubles_exact_leaves_of_few_long_rows(monkeypatch):
+    """On a GPU of 132 SMs at select_k 512, grids planned as exact leaves of 128 pools: rows holding
+    more of them than one uncapped wave (2 x 132) and long enough for filtering leaves of 256 with a
+    bound rank of at most FILTER_SMALL_RANK get those (2 x 128K tokens, a 2-row verify step, 1 x
+    256K, 4 x 64K); one wave (1 x 128K, 2 x 64K) and higher ranks (8 x 32K: 16, 16 x 16K: 32) stay
+    exact; so does every row under the exact scorer."""
+    monkeypatch.setattr(topk, "_sm_count", lambda device: 132)
+    monkeypatch.delenv(score.SCORER_ENV, raising=False)
+    for rows, n_cols in ((2, 32768), (1, 65536), (4, 16384)):
+        assert score.wide_plan(rows, n_cols, 512, "cuda") == (256, n_cols // 256), (rows, n_cols)
+    for rows, n_cols in ((1, 32768), (2, 16384), (8, 8192), (16, 4096)):
+        assert score.wide_plan(rows, n_cols, 512, "cuda") == (128, n_cols // 128), (rows, n_cols)
+    assert score.filters(256, 512, 32, 8192, 512)  # 8 x 32K could filter: the rank rule keeps it exact
+    monkeypatch.setattr(score, "FILTER_SMALL_RANK", 16)
+    assert score.wide_plan(8, 8192, 512, "cuda") == (256, 32)
+    monkeypatch.setenv(score.SCORER_ENV, "exact")
+    assert score.wide_plan(2, 32768, 512, "cuda") == (128, 256)
+
+
 def test_wide_plan_halves_filtering_leaves_of_rows_with_few(monkeypatch):
     """On a GPU of 132 SMs at select_k 512, a prefill chunk of 8,192 rows: leaves of 512 are
     halved to 256 while the longest row has 8-12 of them (their position keys, 64 each, at

@@ -97,6 +97,11 @@ FILTER_MAX_RANK = topk.POSITION_KEYS  # launches filter when their longest row's
 FILTER_WIDE_HEADS = 8  # filtering leaves of 2 x KB pools (wide_plan) for rows whose full leaves of that size
 #                        still hold this many times select_k heads (128 x 1M: 256 x 16 = 8 x 512; H200:
 #                        1,738 -> 1,638 us)
+FILTER_SMALL_RANK = 8  # exact leaves of a small grid doubled into filtering ones (wide_plan) when their row-leaves
+#                        exceed one uncapped wave and the rows' bound rank is at most this (H100, 9f56dec, us, exact ->
+#                        filtering: 2 x 128K 26.0 -> 23.7, 1 x 128K next_n 2 30.9 -> 23.9, 4 x 64K 25.5 -> 23.5,
+#                        1 x 256K 29.6 -> 25.7; rank 16 and 32 lose: 8 x 32K 26.1 -> 26.6, 16 x 16K 27.9 -> 32.3;
+#                        so do grids of one wave: 1 x 128K 15.9 -> 21.3, 2 x 64K 16.0 -> 21.2)
 FILTER_TIGHT_KEYS = 1.5  # filtering leaves halved (wide_plan, down to FILTER_MIN_CHUNK) while the longest row's
 #                         full leaves hold at most this many times select_k position keys (at 512: up to 12 leaves):
 #                         the row bound is then the select_k-th of twice the maxima, each over half the pools
@@ -277,7 +282,10 @@ def wide_plan(rows: int, n_cols: int, select_k: int, device) -> tuple:
     ``2 * KB`` for filtering leaves when the grid still fills the GPU and the rows are long
     enough (``FILTER_WIDE_HEADS``): a filtering list holds ``2 * KB`` pools' int32 upper codes,
     and the leaf's work outside its tile loop (query set-up, heads) is spread over twice the
-    tiles. Filtering leaves of rows with few of them are halved instead (``FILTER_TIGHT_KEYS``):
+    tiles. Exact leaves of a small grid are doubled into filtering ones when the rows hold more of
+    them than one uncapped wave and their bound rank stays at most ``FILTER_SMALL_RANK`` (a few
+    long rows: 2 x 128K, a verify step at 128K): the filter's cheaper dot then pays for its extra
+    launches. Filtering leaves of rows with few of them are halved instead (``FILTER_TIGHT_KEYS``):
     their bound comes from the leaves' position keys, loose when those barely outnumber
     ``select_k`` (at 8 leaves of 512 it is the least of 512 maxima)."""
     chunk, n_chunks = topk.plan_leaves(rows, n_cols, select_k, device, BLOCK_POOLS)
@@ -286,6 +294,10 @@ def wide_plan(rows: int, n_cols: int, select_k: int, device) -> tuple:
     sms = topk._sm_count(device)
     if (chunk == kb and sms and rows * cdiv(n_cols, wide) >= topk.PROGRAMS_PER_SM * sms
             and filters(wide, kb, cdiv(n_cols, wide), n_cols, select_k)):
+        return wide, cdiv(n_cols, wide)
+    if (sms and rows * n_chunks > UNCAPPED_PER_SM * sms and not filters(chunk, kb, n_chunks, n_cols, select_k)
+            and filters(wide, kb, cdiv(n_cols, wide), n_cols, select_k)
+            and cdiv(select_k, n_cols // wide) <= FILTER_SMALL_RANK):
         return wide, cdiv(n_cols, wide)
     floor = max(FILTER_MIN_CHUNK, topk.MIN_CHUNK, BLOCK_POOLS)  # never below plan_leaves' smallest leaf
     while (chunk // 2 >= floor and (n_cols // chunk) * topk.POSITION_KEYS <= FILTER_TIGHT_KEYS * select_k
