@@ -129,7 +129,7 @@ def targets(case):
     if case["kind"] != "decode":
         return []
     b, c = case["batch"], case["ctx"]
-    if case.get("ctx_lo") is not None:
+    if case.get("ctx_lo") is not None or case["next_n"] != 1:  # the targets are decode steps of one query
         return []
     if (b, c) in ((32, 131072), (128, 1048576)):
         return [{"impl": "ours", "kind": "min_frac_copy", "value": 0.5, "text": "<=2x floor"}]
