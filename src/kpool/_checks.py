@@ -195,16 +195,6 @@ def range_checks_enabled() -> bool:
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
-def read_maxima(*tensors) -> list:
-    """The largest entry of each tensor (None where empty), in one read-back; all None when the
-    value checks do not run (``range_checks_enabled``)."""
-    kept = [t for t in tensors if t.numel()]
-    if not kept or not range_checks_enabled():
-        return [None] * len(tensors)
-    tops = iter(torch.stack([t.max().to(torch.int64) for t in kept]).tolist())
-    return [next(tops) if t.numel() else None for t in tensors]
-
-
 def check_index_range(name: str, t: torch.Tensor, upper: int, what: str) -> None:
     """Every non-negative entry of ``t`` must be ``< upper`` (negatives are padding)."""
     check_index_ranges([(name, t, upper, what)])

@@ -47,7 +47,7 @@ import triton.language as tl
 
 from .. import reference
 from .._backend import backend_for, native_fp8, on_device_of, pdl_launch
-from .._checks import INT_DTYPES, check_kv_cache, check_tensor, range_checks_enabled, read_maxima
+from .._checks import INT_DTYPES, check_index_ranges, check_kv_cache, check_tensor, range_checks_enabled
 from ..layout import FP8_DTYPES, HEAD_DIM, cdiv, resolve_fp8_dtype
 from . import _jit, _jit_fp8, _pdl, topk
 from ._jit_fp8 import halves_table
@@ -454,13 +454,9 @@ def check_paged_args(q_fp8, kv_cache, weights, pool_lens, page_table, layout, fp
     if not isinstance(max_pools, int) or isinstance(max_pools, bool) or max_pools < 0:
         raise ValueError(f"max_pools must be a non-negative int, got {max_pools!r}")
     limit = pool_limit(max_pools, page_table, kv_cache)
-    top_len, top_page = read_maxima(pool_lens, page_table)
-    if top_len is not None and top_len > limit:
-        raise ValueError(f"pool_lens holds {top_len}, more than min(max_pools={max_pools}, "
-                         f"max_pages*PAGE={covered})")
-    if top_page is not None and top_page >= num_pages:
-        raise ValueError(f"page_table holds page {top_page}, outside the cache (valid: 0..{num_pages - 1}, "
-                         "negative = none)")
+    check_index_ranges([("pool_lens", pool_lens, limit + 1,
+                         f"visible-pool counts allowed by min(max_pools={max_pools}, max_pages*PAGE={covered})"),
+                        ("page_table", page_table, num_pages, "cache's pages")])
     return fp8_dtype, layout, max_pools, limit
 
 
