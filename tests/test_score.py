@@ -186,7 +186,7 @@ def test_exactness_run_picks_ops(device, capsys):
     is an argparse error naming ``--ops``."""
     from kpool import exactness
     lines = []
-    rows, bad = exactness.run_checks(("score", "compress"), 8, 64, 2, 600, (16,), device,
+    rows, bad = exactness.run_checks(("score", "compress"), 8, 64, ((2, 600),), (16,), device,
                                      torch.Generator().manual_seed(7), log=lines.append)
     assert bad == 0 and [r["op"] for r in rows] == ["compress"] * 8 + ["score"] * 4 and len(lines) == 12
     assert all(r["differing_bytes"] == 0 for r in rows[:8]) and all(r["H"] == 16 for r in rows[8:])
@@ -194,13 +194,18 @@ def test_exactness_run_picks_ops(device, capsys):
     with pytest.raises(SystemExit):
         exactness.main(["--ops", "compress,bogus"])
     assert "--ops takes a comma list" in capsys.readouterr().err
+    assert exactness._shape_list("32x16384, 2x32768") == ((32, 16384), (2, 32768))
+    for bad_shapes in ("32", "2x0", "ax3", "2x3x4", ","):
+        with pytest.raises(SystemExit):
+            exactness.main(["--score-shapes", bad_shapes])
+        assert "--score-shapes takes a comma list" in capsys.readouterr().err
 
 
 def test_exactness_run_decode_cases(device):
     """The GPU run's decode cases (``exactness.decode_cases``: plain decode, verify steps of 4
     and of P + 1 tokens, each at a ring the writer accepts) at 3 requests: every byte exact."""
     from kpool import exactness
-    rows, bad = exactness.run_checks(("decode",), 8, 3, 2, 600, (16,), device, torch.Generator().manual_seed(9),
+    rows, bad = exactness.run_checks(("decode",), 8, 3, ((2, 600),), (16,), device, torch.Generator().manual_seed(9),
                                      log=lambda line: None)
     assert bad == 0 and len(rows) == 2 * 2 * len(exactness.decode_cases(4, 3))
     assert {(r["P"], r["ring"], r["next_n"]) for r in rows} >= {(4, 4, 1), (4, 8, 5), (16, 32, 17)}
@@ -220,7 +225,7 @@ def test_exactness_run_selection_cases(device, monkeypatch):
     diff, total, filtered = exactness.check_selection(case, device, gen)
     assert filtered and diff == 0 and total == 6 * 128 + 6 * 640
     lines = []
-    rows, bad = exactness.run_checks(("select",), 8, 64, 2, 600, (16,), device, torch.Generator().manual_seed(3),
+    rows, bad = exactness.run_checks(("select",), 8, 64, ((2, 600),), (16,), device, torch.Generator().manual_seed(3),
                                      log=lines.append, select_cases=3, select_size=1500)
     assert bad == 0 and [r["op"] for r in rows] == ["select"] * 3 and len(lines) == 3
     real = kpool.paged_pool_topk

@@ -5,9 +5,10 @@ kernels into a cache pre-filled with random bytes and compares every byte of it 
 the rings) with the CPU reference, for P in {4, 16}, both fp8 formats and both layouts;
 then decode / verify steps (``decode_cases``: next_n 1, 4 and P + 1, at 64 requests and at
 ``--decode-requests``, covering every warp count of the decode kernel); then the scorers
-(``check_scores``: paged logits and the fused selection over ``--score-requests`` x
-``--score-pools`` random fp8 pools, both formats, both layouts, ``--heads``; each line says
-whether the fused selection's leaves filtered, ``ops/score.py``); then ``--select-cases``
+(``check_scores``: paged logits and the fused selection over requests x random fp8 pools of each
+``--score-shapes`` (default: 32 x 16,384, and 2 x 32,768, a small grid the scorer also filters),
+both formats, both layouts, ``--heads``; each line says whether the fused selection's leaves
+filtered, ``ops/score.py``); then ``--select-cases``
 random selection cases (``check_selection``: requests, verify rows, lengths, heads,
 ``select_k``, exact ties, fused expansion all drawn at random). ``--ops`` picks a subset
 (``compress,decode,score,select``) so that a run fits a device call's time limit. Prints one
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import sys
@@ -258,10 +260,22 @@ def _op_list(text: str) -> tuple:
     return ops
 
 
-def run_checks(ops, pools, decode_requests, score_requests, score_pools, heads, device, gen, log=print,
+def _shape_list(text: str) -> tuple:
+    """``--score-shapes``: ``"32x16384,2x32768"`` -> ``((32, 16384), (2, 32768))``."""
+    try:
+        shapes = tuple(tuple(int(n) for n in item.strip().split("x")) for item in text.split(",") if item.strip())
+    except ValueError:
+        shapes = ()
+    if not shapes or any(len(sh) != 2 or min(sh) < 1 for sh in shapes):
+        raise argparse.ArgumentTypeError(f"--score-shapes takes a comma list of REQUESTSxPOOLS, got {text!r}")
+    return shapes
+
+
+def run_checks(ops, pools, decode_requests, score_shapes, heads, device, gen, log=print,
                select_cases=0, select_budget_s=float("inf"), select_size=1 << 20):
     """The cases of ``ops`` (a subset of ``OPS``) on ``device``; returns ``(rows, differing)``:
     one dict per case and the total of differing bytes / values. ``log`` gets one line per case.
+    ``score``: ``check_scores`` at each ``(requests, pools)`` of ``score_shapes``, for each of ``heads``.
     ``select``: ``select_cases`` random ``check_selection`` cases of at most ``select_size``
     rows x pools, none started after ``select_budget_s`` seconds."""
     rows, bad = [], 0
@@ -282,15 +296,15 @@ def run_checks(ops, pools, decode_requests, score_requests, score_pools, heads, 
                 log(f"decode   P={p:2d} {str(fp8):22s} ring={p * ring_mult} next_n={next_n} "
                     f"requests={num_req} differing bytes {diff} / {total}")
                 bad += diff
-    for h in heads if "score" in ops else ():
+    for (requests, n_pools), h in itertools.product(score_shapes, heads) if "score" in ops else ():
         for fp8 in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
             for layout in ("plain", "preshuffle"):
                 t0 = time.perf_counter()
-                diff, total, filtered = check_scores(score_requests, score_pools, h, 512, fp8, layout, device, gen)
-                rows.append(dict(op="score", H=h, fp8=str(fp8), layout=layout, requests=score_requests,
-                                 pools=score_pools, filtered=filtered, values_compared=total, differing_values=diff))
-                log(f"score    H={h} {str(fp8):22s} {layout:10s} requests={score_requests} "
-                    f"pools={score_pools} {'filtered' if filtered else 'exact leaves'} "
+                diff, total, filtered = check_scores(requests, n_pools, h, 512, fp8, layout, device, gen)
+                rows.append(dict(op="score", H=h, fp8=str(fp8), layout=layout, requests=requests,
+                                 pools=n_pools, filtered=filtered, values_compared=total, differing_values=diff))
+                log(f"score    H={h} {str(fp8):22s} {layout:10s} requests={requests} "
+                    f"pools={n_pools} {'filtered' if filtered else 'exact leaves'} "
                     f"differing values {diff} / {total}  ({time.perf_counter() - t0:.1f}s)")
                 bad += diff
     t_start = time.perf_counter()
@@ -315,8 +329,8 @@ def main(argv=None) -> int:
     parser.add_argument("--ops", type=_op_list, default=OPS, help="comma list of compress, decode, score, select")
     parser.add_argument("--pools", type=int, default=65536)
     parser.add_argument("--decode-requests", type=int, default=2048)
-    parser.add_argument("--score-requests", type=int, default=32)
-    parser.add_argument("--score-pools", type=int, default=16384)
+    parser.add_argument("--score-shapes", type=_shape_list, default=((32, 16384), (2, 32768)),
+                        help="comma list of REQUESTSxPOOLS for the scoring cases")
     parser.add_argument("--heads", type=lambda t: tuple(int(h) for h in t.split(",")), default=(32,),
                         help="comma list of H for the scoring cases")
     parser.add_argument("--select-cases", type=int, default=40, help="random selection cases (--ops select)")
@@ -328,8 +342,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("no GPU: this run compares GPU kernels with the CPU oracle", file=sys.stderr)
         return 2
-    rows, bad = run_checks(args.ops, args.pools, args.decode_requests, args.score_requests, args.score_pools,
-                           args.heads, torch.device("cuda"), torch.Generator().manual_seed(1234),
+    rows, bad = run_checks(args.ops, args.pools, args.decode_requests, args.score_shapes, args.heads,
+                           torch.device("cuda"), torch.Generator().manual_seed(1234),
                            log=lambda line: print(line, flush=True), select_cases=args.select_cases,
                            select_budget_s=args.select_budget_s, select_size=args.select_size)
     if args.json:
