@@ -401,9 +401,14 @@ def _topk_specs(m):
 
 
 def _scorer_leaf_axis(m):
-    """The fused scorer's leaves (``_leaf_final_axis`` with its tile granule), each that can
-    filter (several leaves of at most 2 x KB pools: ``score.filters``) both filtering and exact."""
-    return [dict(leaf, _filter=f) for leaf in _leaf_final_axis(m.BLOCK_POOLS, "_chunk")
+    """The fused scorer's leaves (``_leaf_final_axis`` with its tile granule, and the smallest
+    filtering leaf, ``FILTER_MIN_CHUNK`` pools, at every KB: ``score.wide_plan`` launches it),
+    each that can filter (several leaves of at most 2 x KB pools: ``score.filters``) both
+    filtering and exact."""
+    leaves = _leaf_final_axis(m.BLOCK_POOLS, "_chunk")
+    smallest = max(m.FILTER_MIN_CHUNK, m.BLOCK_POOLS)
+    leaves += [leaf for leaf in ({"KB": kb, "_chunk": smallest, "FINAL": False} for kb in _KBS) if leaf not in leaves]
+    return [dict(leaf, _filter=f) for leaf in leaves
             for f in ((True, False) if not leaf["FINAL"] and leaf["_chunk"] <= 2 * leaf["KB"] else (False,))]
 
 
