@@ -261,6 +261,13 @@ def scorer() -> str:
     return choice
 
 
+def bound_rank(n_cols: int, chunk: int, select_k: int) -> int:
+    """The rank, in each wholly visible leaf of ``chunk`` pools of a row of ``n_cols`` pools, of
+    the key that bounds the row's ``select_k``-th best (the host's ``topk._bound_rank``, at least
+    one leaf)."""
+    return cdiv(select_k, max(n_cols // chunk, 1))
+
+
 def filters(chunk: int, kb: int, n_chunks: int, n_cols: int, select_k: int) -> bool:
     """Whether a leaf launch filters (``FILTER``): the scorer is ``filter``, several leaves of
     ``FILTER_MIN_CHUNK`` to ``KB`` pools (they keep all their keys), or to ``2 * KB`` for rows
@@ -274,7 +281,7 @@ def filters(chunk: int, kb: int, n_chunks: int, n_cols: int, select_k: int) -> b
     full = max(n_cols // chunk, 1)
     fits = chunk <= kb or (chunk <= 2 * kb and full * topk.MIN_KB >= FILTER_WIDE_HEADS * select_k)
     return (scorer() == "filter" and n_chunks >= 2 and max(FILTER_MIN_CHUNK, topk.MIN_KB) <= chunk and fits
-            and cdiv(select_k, full) <= FILTER_MAX_RANK)
+            and bound_rank(n_cols, chunk, select_k) <= FILTER_MAX_RANK)
 
 
 def wide_plan(rows: int, n_cols: int, select_k: int, device) -> tuple:
@@ -290,15 +297,15 @@ def wide_plan(rows: int, n_cols: int, select_k: int, device) -> tuple:
     ``select_k`` (at 8 leaves of 512 it is the least of 512 maxima)."""
     chunk, n_chunks = topk.plan_leaves(rows, n_cols, select_k, device, BLOCK_POOLS)
     kb = topk.key_block(select_k)
-    wide = 2 * chunk
+    wide, n_wide = 2 * chunk, cdiv(n_cols, 2 * chunk)
     sms = topk._sm_count(device)
-    if (chunk == kb and sms and rows * cdiv(n_cols, wide) >= topk.PROGRAMS_PER_SM * sms
-            and filters(wide, kb, cdiv(n_cols, wide), n_cols, select_k)):
-        return wide, cdiv(n_cols, wide)
+    if (chunk == kb and sms and rows * n_wide >= topk.PROGRAMS_PER_SM * sms
+            and filters(wide, kb, n_wide, n_cols, select_k)):
+        return wide, n_wide
     if (sms and rows * n_chunks > UNCAPPED_PER_SM * sms and not filters(chunk, kb, n_chunks, n_cols, select_k)
-            and filters(wide, kb, cdiv(n_cols, wide), n_cols, select_k)
-            and cdiv(select_k, n_cols // wide) <= FILTER_SMALL_RANK):
-        return wide, cdiv(n_cols, wide)
+            and filters(wide, kb, n_wide, n_cols, select_k)
+            and bound_rank(n_cols, wide, select_k) <= FILTER_SMALL_RANK):
+        return wide, n_wide
     floor = max(FILTER_MIN_CHUNK, topk.MIN_CHUNK, BLOCK_POOLS)  # never below plan_leaves' smallest leaf
     while (chunk // 2 >= floor and (n_cols // chunk) * topk.POSITION_KEYS <= FILTER_TIGHT_KEYS * select_k
            and filters(chunk, kb, n_chunks, n_cols, select_k)):
