@@ -271,9 +271,9 @@ FILTER_CASE = dict(batch=2, next_n=3, page=64, pages_per=36, select_k=128,
 
 @pytest.fixture
 def filter_choices(monkeypatch):
-    """What ``score.filters`` decides for each leaf launch (``exactness.filter_decisions``);
-    leaves of any size may filter (the CPU lanes and small GPU cases use leaves of 128 pools,
-    below ``FILTER_MIN_CHUNK``)."""
+    """Whether each leaf launch of several leaves filters (``score.wide_plan``'s FILTER:
+    ``exactness.filter_decisions``); leaves of any size may filter (the CPU lanes and small GPU
+    cases use leaves of 128 pools, below ``FILTER_MIN_CHUNK``)."""
     from kpool import exactness
     monkeypatch.setattr(score, "FILTER_MIN_CHUNK", 0)
     with exactness.filter_decisions() as used:
@@ -401,8 +401,8 @@ def test_filter_survivors_reach_the_union_of_the_leaf_heads(device, monkeypatch,
     _, logits = run_case(device, heads=16, fp8_dtype=FP8[0], seed=23, bad_page=True, nan_codes=True, **case)
     exact = reference.pool_order_keys(logits)
     cand, count, surv, chunk, lens, n_cols, select_k, filtered = seen[0]  # the fused scorer's, not the check's
-    wide = heads_in == "wide leaves"  # wide_plan asks score.filters too
-    assert filtered and filter_choices == [True] * 2 * (1 + wide) and chunk == 128 * (1 + wide)  # ids, tokens
+    wide = heads_in == "wide leaves"
+    assert filtered and filter_choices == [True] * 2 and chunk == 128 * (1 + wide)  # ids, tokens
     head, no_upper, no_key = (int(getattr(c, "value", c)) for c in (topk.HEAD, topk.NO_UPPER, topk.NO_KEY))
     pk = topk.POSITION_KEYS
     assert cand.shape[2] == topk.list_size(chunk, topk.key_block(select_k), True)
@@ -448,29 +448,36 @@ def test_wide_plan_doubles_filtering_leaves_of_long_rows(monkeypatch):
     KB; so does every row under the exact scorer."""
     monkeypatch.setattr(topk, "_sm_count", lambda device: 132)
     monkeypatch.delenv(score.SCORER_ENV, raising=False)
-    assert score.wide_plan(128, 262144, 512, "cuda") == (1024, 256)
-    assert score.wide_plan(32, 32768, 512, "cuda") == (512, 64)
+    assert score.wide_plan(128, 262144, 512, "cuda") == (1024, 256, True)
+    assert score.wide_plan(32, 32768, 512, "cuda") == (512, 64, True)
     monkeypatch.setenv(score.SCORER_ENV, "exact")
-    assert score.wide_plan(128, 262144, 512, "cuda") == (512, 512)
+    assert score.wide_plan(128, 262144, 512, "cuda") == (512, 512, False)
 
 
 def test_wide_plan_doubles_exact_leaves_of_few_long_rows(monkeypatch):
-    """On a GPU of 132 SMs at select_k 512, grids planned as exact leaves of 128 pools: rows holding
-    more of them than one uncapped wave (2 x 132) and long enough for filtering leaves of 256 with a
-    bound rank of at most FILTER_SMALL_RANK get those (2 x 128K tokens, a 2-row verify step, 1 x
-    256K, 4 x 64K); one wave (1 x 128K, 2 x 64K) and higher ranks (8 x 32K: 16, 16 x 16K: 32) stay
-    exact; so does every row under the exact scorer."""
+    """On a GPU of 132 SMs at select_k 512, grids planned as exact leaves of 128 pools whose rows
+    hold more of them than one uncapped wave (2 x 132): long enough for filtering leaves of 256
+    with a bound rank of at most FILTER_SMALL_RANK, they get those (2 x 128K tokens, a 2-row
+    verify step, 1 x 256K, 4 x 64K); at higher ranks (8 x 32K: 16, 16 x 16K: 32, 32 x 8K, 64 x
+    4K) and under the exact scorer, exact leaves of 256 in one wave. One wave (1 x 128K, 2 x 64K)
+    keeps its leaves of 128, and so does a grid whose doubled leaves would take two waves (where
+    plan_leaves aims at 4 programs per SM: 12 x 32K doubled is 384 programs)."""
     monkeypatch.setattr(topk, "_sm_count", lambda device: 132)
     monkeypatch.delenv(score.SCORER_ENV, raising=False)
     for rows, n_cols in ((2, 32768), (1, 65536), (4, 16384)):
-        assert score.wide_plan(rows, n_cols, 512, "cuda") == (256, n_cols // 256), (rows, n_cols)
-    for rows, n_cols in ((1, 32768), (2, 16384), (8, 8192), (16, 4096)):
-        assert score.wide_plan(rows, n_cols, 512, "cuda") == (128, n_cols // 128), (rows, n_cols)
+        assert score.wide_plan(rows, n_cols, 512, "cuda") == (256, n_cols // 256, True), (rows, n_cols)
+    for rows, n_cols in ((8, 8192), (16, 4096), (32, 2048), (64, 1024)):
+        assert score.wide_plan(rows, n_cols, 512, "cuda") == (256, n_cols // 256, False), (rows, n_cols)
+    for rows, n_cols in ((1, 32768), (2, 16384)):
+        assert score.wide_plan(rows, n_cols, 512, "cuda") == (128, n_cols // 128, False), (rows, n_cols)
     assert score.filters(256, 512, 32, 8192, 512)  # 8 x 32K could filter: the rank rule keeps it exact
     monkeypatch.setattr(score, "FILTER_SMALL_RANK", 16)
-    assert score.wide_plan(8, 8192, 512, "cuda") == (256, 32)
+    assert score.wide_plan(8, 8192, 512, "cuda") == (256, 32, True)
     monkeypatch.setenv(score.SCORER_ENV, "exact")
-    assert score.wide_plan(2, 32768, 512, "cuda") == (128, 256)
+    assert score.wide_plan(2, 32768, 512, "cuda") == (256, 128, False)
+    monkeypatch.setattr(topk, "PROGRAMS_PER_SM", 4)
+    assert score.wide_plan(8, 8192, 512, "cuda") == (256, 32, False)
+    assert score.wide_plan(12, 8192, 512, "cuda") == (128, 64, False)
 
 
 def test_wide_plan_halves_filtering_leaves_of_rows_with_few(monkeypatch):
@@ -481,11 +488,11 @@ def test_wide_plan_halves_filtering_leaves_of_rows_with_few(monkeypatch):
     monkeypatch.setattr(topk, "_sm_count", lambda device: 132)
     monkeypatch.delenv(score.SCORER_ENV, raising=False)
     for n_cols in (4096, 4608, 6143, 6144, 6655):
-        assert score.wide_plan(8192, n_cols, 512, "cuda") == (256, -(-n_cols // 256)), n_cols
+        assert score.wide_plan(8192, n_cols, 512, "cuda") == (256, -(-n_cols // 256), True), n_cols
     for n_cols in (2048, 6656, 8192):
-        assert score.wide_plan(8192, n_cols, 512, "cuda") == (512, -(-n_cols // 512)), n_cols
+        assert score.wide_plan(8192, n_cols, 512, "cuda")[:2] == (512, -(-n_cols // 512)), n_cols
     monkeypatch.setenv(score.SCORER_ENV, "exact")
-    assert score.wide_plan(8192, 4096, 512, "cuda") == (512, 8)
+    assert score.wide_plan(8192, 4096, 512, "cuda") == (512, 8, False)
     # halving stops at the smallest leaf plan_leaves makes (one tile), whatever FILTER_MIN_CHUNK and
     # MIN_CHUNK say (at 0 and 16 a 76-pool verify grid at select_k 64 went to leaves of 32: no tile)
     monkeypatch.setenv(score.SCORER_ENV, "filter")
@@ -493,7 +500,7 @@ def test_wide_plan_halves_filtering_leaves_of_rows_with_few(monkeypatch):
     monkeypatch.setattr(score, "FILTER_MIN_CHUNK", 0)
     monkeypatch.setattr(topk, "MIN_CHUNK", 16)
     monkeypatch.setattr(topk, "LEAF_BASE", 0)
-    assert score.wide_plan(6, 76, 64, "cuda") == (score.BLOCK_POOLS, 2)
+    assert score.wide_plan(6, 76, 64, "cuda") == (score.BLOCK_POOLS, 2, True)
 
 
 def test_scorer_switch(device, monkeypatch, filter_choices):

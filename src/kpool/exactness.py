@@ -119,19 +119,22 @@ def finite_pages_(pages: torch.Tensor, exps: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def filter_decisions():
-    """Record what ``ops.score.filters`` decides for each leaf launch inside the block (a list
-    of bools; also the tests' record of it)."""
+    """Record whether each fused selection's leaf launch inside the block filters (a list of
+    bools, one per launch of several leaves: ``ops.score.wide_plan``'s FILTER; also the tests'
+    record of it)."""
     from kpool.ops import score
-    real, seen = score.filters, []
+    real, seen = score.wide_plan, []
 
     def spy(*args):
-        seen.append(real(*args))
-        return seen[-1]
-    score.filters = spy
+        plan = real(*args)
+        if plan[1] > 1:
+            seen.append(plan[2])
+        return plan
+    score.wide_plan = spy
     try:
         yield seen
     finally:
-        score.filters = real
+        score.wide_plan = real
 
 
 def _random_paged_cache(requests, pools, fp8_dtype, layout, gen, page, dup_every=0):
@@ -163,7 +166,7 @@ def check_scores(num_req, n_pools, heads, select_k, fp8_dtype, layout, device, g
     finite codes, power-of-two and other scales) on shuffled pages of a random-byte cache,
     random visible counts (some at most ``select_k``). Returns ``(differing values, compared,
     filtered)``: logits compared as fp32 bits (any NaN matches any NaN), selections as int32;
-    ``filtered``: whether the fused selection's leaves filtered (``score.filters``)."""
+    ``filtered``: whether the fused selection's leaves filtered (``score.wide_plan``)."""
     import kpool
     from kpool import reference
 

@@ -101,7 +101,10 @@ FILTER_SMALL_RANK = 8  # exact leaves of a small grid doubled into filtering one
 #                        exceed one uncapped wave and the rows' bound rank is at most this (H100, 9f56dec, us, exact ->
 #                        filtering: 2 x 128K 26.0 -> 23.7, 1 x 128K next_n 2 30.9 -> 23.9, 4 x 64K 25.5 -> 23.5,
 #                        1 x 256K 29.6 -> 25.7; rank 16 and 32 lose: 8 x 32K 26.1 -> 26.6, 16 x 16K 27.9 -> 32.3;
-#                        so do grids of one wave: 1 x 128K 15.9 -> 21.3, 2 x 64K 16.0 -> 21.2)
+#                        so do grids of one wave: 1 x 128K 15.9 -> 21.3, 2 x 64K 16.0 -> 21.2); those of more
+#                        than one wave are doubled into exact leaves that fit one (H100, e5481c5, us: 8 x 32K
+#                        25.9 -> 21.8, 16 x 16K 27.9 -> 25.6, 64 x 4K 29.7 -> 28.4, but 32 x 8K 28.8 -> 29.9; H = 64:
+#                        30.3 -> 26.8, 34.2 -> 33.1, 37.2 -> 35.0, 35.5 -> 36.4)
 FILTER_TIGHT_KEYS = 1.5  # filtering leaves halved (wide_plan, down to FILTER_MIN_CHUNK) while the longest row's
 #                         full leaves hold at most this many times select_k position keys (at 512: up to 12 leaves):
 #                         the row bound is then the select_k-th of twice the maxima, each over half the pools
@@ -285,33 +288,37 @@ def filters(chunk: int, kb: int, n_chunks: int, n_cols: int, select_k: int) -> b
 
 
 def wide_plan(rows: int, n_cols: int, select_k: int, device) -> tuple:
-    """``(CHUNK, n_chunks)`` of the fused scorer's leaves: ``topk.plan_leaves``', doubled up to
-    ``2 * KB`` for filtering leaves when the grid still fills the GPU and the rows are long
+    """``(CHUNK, n_chunks, FILTER)`` of the fused scorer's leaves: ``topk.plan_leaves``', doubled
+    up to ``2 * KB`` for filtering leaves when the grid still fills the GPU and the rows are long
     enough (``FILTER_WIDE_HEADS``): a filtering list holds ``2 * KB`` pools' int32 upper codes,
     and the leaf's work outside its tile loop (query set-up, heads) is spread over twice the
-    tiles. Exact leaves of a small grid are doubled into filtering ones when the rows hold more of
-    them than one uncapped wave and their bound rank stays at most ``FILTER_SMALL_RANK`` (a few
-    long rows: 2 x 128K, a verify step at 128K): the filter's cheaper dot then pays for its extra
-    launches. Filtering leaves of rows with few of them are halved instead (``FILTER_TIGHT_KEYS``):
-    their bound comes from the leaves' position keys, loose when those barely outnumber
-    ``select_k`` (at 8 leaves of 512 it is the least of 512 maxima)."""
+    tiles. Exact leaves of a small grid whose row-leaves take more than one uncapped wave
+    (``UNCAPPED_PER_SM`` per SM) are doubled: into filtering leaves when their bound rank stays at
+    most ``FILTER_SMALL_RANK`` (a few long rows: 2 x 128K, a verify step at 128K; the filter's
+    cheaper dot then pays for its extra launches), else, from ``plan_leaves``' smallest leaf,
+    into exact leaves when those fit one wave (8 x 32K, 16 x 16K: one wave of twice the tiles
+    beats two). Filtering leaves of rows with few of them are halved instead
+    (``FILTER_TIGHT_KEYS``): their bound comes from the leaves' position keys, loose when those
+    barely outnumber ``select_k`` (at 8 leaves of 512 it is the least of 512 maxima).
+    ``FILTER``: the launch filters (``filters``; never for one leaf per row)."""
     chunk, n_chunks = topk.plan_leaves(rows, n_cols, select_k, device, BLOCK_POOLS)
     kb = topk.key_block(select_k)
     wide, n_wide = 2 * chunk, cdiv(n_cols, 2 * chunk)
     sms = topk._sm_count(device)
     if (chunk == kb and sms and rows * n_wide >= topk.PROGRAMS_PER_SM * sms
             and filters(wide, kb, n_wide, n_cols, select_k)):
-        return wide, n_wide
-    if (sms and rows * n_chunks > UNCAPPED_PER_SM * sms and not filters(chunk, kb, n_chunks, n_cols, select_k)
-            and filters(wide, kb, n_wide, n_cols, select_k)
-            and bound_rank(n_cols, wide, select_k) <= FILTER_SMALL_RANK):
-        return wide, n_wide
+        return wide, n_wide, True
+    if sms and rows * n_chunks > UNCAPPED_PER_SM * sms and not filters(chunk, kb, n_chunks, n_cols, select_k):
+        if filters(wide, kb, n_wide, n_cols, select_k) and bound_rank(n_cols, wide, select_k) <= FILTER_SMALL_RANK:
+            return wide, n_wide, True
+        if chunk == max(topk.MIN_CHUNK, BLOCK_POOLS) and n_wide > 1 and rows * n_wide <= UNCAPPED_PER_SM * sms:
+            return wide, n_wide, False
     floor = max(FILTER_MIN_CHUNK, topk.MIN_CHUNK, BLOCK_POOLS)  # never below plan_leaves' smallest leaf
     while (chunk // 2 >= floor and (n_cols // chunk) * topk.POSITION_KEYS <= FILTER_TIGHT_KEYS * select_k
            and filters(chunk, kb, n_chunks, n_cols, select_k)):
         chunk //= 2
         n_chunks = cdiv(n_cols, chunk)
-    return chunk, n_chunks
+    return chunk, n_chunks, n_chunks > 1 and filters(chunk, kb, n_chunks, n_cols, select_k)
 
 
 def refine_programs(rows: int, select_k: int, device) -> int:
@@ -461,6 +468,5 @@ def launch_paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, sele
         )
 
     topk.select_by_leaves(out, lens, limit, select_k, launch_leaves, BLOCK_POOLS, refine,
-                          plan=wide_plan(rows, limit, select_k, device), expand=expand,
-                          filtering=lambda chunk, kb, n_chunks: filters(chunk, kb, n_chunks, limit, select_k))
+                          plan=wide_plan(rows, limit, select_k, device), expand=expand)
     return out

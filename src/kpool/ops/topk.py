@@ -721,7 +721,7 @@ def expansion_args(expand, select_k: int, dummy) -> dict:
 
 
 def select_by_leaves(out, lens, n_cols, select_k, launch_leaves, granule: int = 1, refine=None,
-                     plan=None, expand=None, filtering=None) -> None:
+                     plan=None, expand=None) -> None:
     """Each row's selection into ``out [rows, select_k]`` int32 (``[rows, width]`` tokens with
     ``expand``: ``expansion_args``): leaves, then (several leaves per row) ``threshold_select``.
 
@@ -729,20 +729,18 @@ def select_by_leaves(out, lens, n_cols, select_k, launch_leaves, granule: int = 
     on the grid ``(rows, n_chunks)``; with ``FINAL`` (one leaf per row) ``cand`` and ``count``
     are ``out`` and the leaves write the ids, else ``cand [rows, n_chunks, list_size(CHUNK, KB,
     FILTER)]`` int64 receives their key lists and the leaves zero ``count [rows]`` int32
-    (``clear_counts``). ``lens [rows]`` visible pools, clamped to ``n_cols``. ``FILTER``: the
-    leaves filter (``filtering(CHUNK, KB, n_chunks)``, a launch of several leaves;
-    ``store_leaf_bounds``): the survivors hold upper bounds, and ``refine(surv, count)``
-    replaces them by the exact keys before the selection. ``plan``: ``(CHUNK, n_chunks)``
-    instead of ``plan_leaves``'.
+    (``clear_counts``). ``lens [rows]`` visible pools, clamped to ``n_cols``. ``plan``:
+    ``(CHUNK, n_chunks, FILTER)`` instead of ``plan_leaves``' exact leaves; with ``FILTER`` (a
+    launch of several leaves; ``store_leaf_bounds``) the survivors hold upper bounds, and
+    ``refine(surv, count)`` replaces them by the exact keys before the selection.
     """
     rows = out.shape[0]
     kb = key_block(select_k)
-    chunk, n_chunks = plan or plan_leaves(rows, n_cols, select_k, out.device, granule)
+    chunk, n_chunks, filtered = plan or (*plan_leaves(rows, n_cols, select_k, out.device, granule), False)
     final = n_chunks == 1
     if final:
         launch_leaves(out, out, chunk, n_chunks, kb, final, False)
         return
-    filtered = bool(filtering is not None and filtering(chunk, kb, n_chunks))
     cand = torch.empty((rows, n_chunks, list_size(chunk, kb, filtered)), dtype=torch.int64, device=out.device)
     count = torch.empty((rows,), dtype=torch.int32, device=out.device)
     launch_leaves(cand, count, chunk, n_chunks, kb, final, filtered)
