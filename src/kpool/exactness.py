@@ -6,9 +6,9 @@ the rings) with the CPU reference, for P in {4, 16}, both fp8 formats and both l
 then decode / verify steps (``decode_cases``: next_n 1, 4 and P + 1, at 64 requests and at
 ``--decode-requests``, covering every warp count of the decode kernel); then the scorers
 (``check_scores``: paged logits and the fused selection over requests x random fp8 pools of each
-``--score-shapes`` (default: 32 x 16,384, and 2 x 32,768, a small grid the scorer also filters),
-both formats, both layouts, ``--heads``; each line says whether the fused selection's leaves
-filtered, ``ops/score.py``); then ``--select-cases``
+``--score-shapes`` (default: 32 x 16,384; 2 x 32,768, a small grid the scorer also filters; 8 x
+8,192, one it scores exactly in leaves of 256), both formats, both layouts, ``--heads``; each line
+says whether the fused selection's leaves filtered, ``ops/score.py``); then ``--select-cases``
 random selection cases (``check_selection``: requests, verify rows, lengths, heads,
 ``select_k``, exact ties, fused expansion all drawn at random). ``--ops`` picks a subset
 (``compress,decode,score,select``) so that a run fits a device call's time limit. Prints one
@@ -332,7 +332,7 @@ def main(argv=None) -> int:
     parser.add_argument("--ops", type=_op_list, default=OPS, help="comma list of compress, decode, score, select")
     parser.add_argument("--pools", type=int, default=65536)
     parser.add_argument("--decode-requests", type=int, default=2048)
-    parser.add_argument("--score-shapes", type=_shape_list, default=((32, 16384), (2, 32768)),
+    parser.add_argument("--score-shapes", type=_shape_list, default=((32, 16384), (2, 32768), (8, 8192)),
                         help="comma list of REQUESTSxPOOLS for the scoring cases")
     parser.add_argument("--heads", type=lambda t: tuple(int(h) for h in t.split(",")), default=(32,),
                         help="comma list of H for the scoring cases")
