@@ -461,7 +461,8 @@ def test_wide_plan_doubles_exact_leaves_of_few_long_rows(monkeypatch):
     verify step, 1 x 256K, 4 x 64K); at higher ranks (8 x 32K: 16, 16 x 16K: 32, 32 x 8K, 64 x
     4K) and under the exact scorer, exact leaves of 256 in one wave. One wave (1 x 128K, 2 x 64K)
     keeps its leaves of 128, and so does a grid whose doubled leaves would take two waves (where
-    plan_leaves aims at 4 programs per SM: 12 x 32K doubled is 384 programs)."""
+    plan_leaves aims at 4 programs per SM: 12 x 32K doubled is 384 programs) or would not keep
+    all their keys (select_k 128)."""
     monkeypatch.setattr(topk, "_sm_count", lambda device: 132)
     monkeypatch.delenv(score.SCORER_ENV, raising=False)
     for rows, n_cols in ((2, 32768), (1, 65536), (4, 16384)):
@@ -478,6 +479,7 @@ def test_wide_plan_doubles_exact_leaves_of_few_long_rows(monkeypatch):
     monkeypatch.setattr(topk, "PROGRAMS_PER_SM", 4)
     assert score.wide_plan(8, 8192, 512, "cuda") == (256, 32, False)
     assert score.wide_plan(12, 8192, 512, "cuda") == (128, 64, False)
+    assert score.wide_plan(8, 8192, 128, "cuda") == (128, 64, False)
 
 
 def test_wide_plan_halves_filtering_leaves_of_rows_with_few(monkeypatch):

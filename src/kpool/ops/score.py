@@ -296,8 +296,8 @@ def wide_plan(rows: int, n_cols: int, select_k: int, device) -> tuple:
     (``UNCAPPED_PER_SM`` per SM) are doubled: into filtering leaves when their bound rank stays at
     most ``FILTER_SMALL_RANK`` (a few long rows: 2 x 128K, a verify step at 128K; the filter's
     cheaper dot then pays for its extra launches), else, from ``plan_leaves``' smallest leaf,
-    into exact leaves when those fit one wave (8 x 32K, 16 x 16K: one wave of twice the tiles
-    beats two). Filtering leaves of rows with few of them are halved instead
+    into exact leaves that still keep all their keys when those fit one wave (8 x 32K, 16 x 16K
+    at select_k 512: one wave of twice the tiles beats two). Filtering leaves of rows with few of them are halved instead
     (``FILTER_TIGHT_KEYS``): their bound comes from the leaves' position keys, loose when those
     barely outnumber ``select_k`` (at 8 leaves of 512 it is the least of 512 maxima).
     ``FILTER``: the launch filters (``filters``; never for one leaf per row)."""
@@ -311,7 +311,8 @@ def wide_plan(rows: int, n_cols: int, select_k: int, device) -> tuple:
     if sms and rows * n_chunks > UNCAPPED_PER_SM * sms and not filters(chunk, kb, n_chunks, n_cols, select_k):
         if filters(wide, kb, n_wide, n_cols, select_k) and bound_rank(n_cols, wide, select_k) <= FILTER_SMALL_RANK:
             return wide, n_wide, True
-        if chunk == max(topk.MIN_CHUNK, BLOCK_POOLS) and n_wide > 1 and rows * n_wide <= UNCAPPED_PER_SM * sms:
+        if (chunk == max(topk.MIN_CHUNK, BLOCK_POOLS) and wide <= kb and n_wide > 1
+                and rows * n_wide <= UNCAPPED_PER_SM * sms):
             return wide, n_wide, False
     floor = max(FILTER_MIN_CHUNK, topk.MIN_CHUNK, BLOCK_POOLS)  # never below plan_leaves' smallest leaf
     while (chunk // 2 >= floor and (n_cols // chunk) * topk.POSITION_KEYS <= FILTER_TIGHT_KEYS * select_k
