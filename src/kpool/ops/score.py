@@ -297,13 +297,14 @@ def wide_plan(rows: int, n_cols: int, select_k: int, device) -> tuple:
     most ``FILTER_SMALL_RANK`` (a few long rows: 2 x 128K, a verify step at 128K; the filter's
     cheaper dot then pays for its extra launches), else, from ``plan_leaves``' smallest leaf,
     into exact leaves that still keep all their keys when those fit one wave (8 x 32K, 16 x 16K
-    at select_k 512: one wave of twice the tiles beats two). Filtering leaves of rows with few of them are halved instead
-    (``FILTER_TIGHT_KEYS``): their bound comes from the leaves' position keys, loose when those
-    barely outnumber ``select_k`` (at 8 leaves of 512 it is the least of 512 maxima).
-    ``FILTER``: the launch filters (``filters``; never for one leaf per row)."""
+    at select_k 512: one wave of twice the tiles beats two). Filtering leaves of rows with few of
+    them are halved instead (``FILTER_TIGHT_KEYS``): their bound comes from the leaves' position
+    keys, loose when those barely outnumber ``select_k`` (at 8 leaves of 512 it is the least of
+    512 maxima). ``FILTER``: the launch filters (``filters``; never for one leaf per row)."""
     chunk, n_chunks = topk.plan_leaves(rows, n_cols, select_k, device, BLOCK_POOLS)
     kb = topk.key_block(select_k)
     wide, n_wide = 2 * chunk, cdiv(n_cols, 2 * chunk)
+    smallest = max(topk.MIN_CHUNK, BLOCK_POOLS)  # plan_leaves' smallest leaf
     sms = topk._sm_count(device)
     if (chunk == kb and sms and rows * n_wide >= topk.PROGRAMS_PER_SM * sms
             and filters(wide, kb, n_wide, n_cols, select_k)):
@@ -311,10 +312,9 @@ def wide_plan(rows: int, n_cols: int, select_k: int, device) -> tuple:
     if sms and rows * n_chunks > UNCAPPED_PER_SM * sms and not filters(chunk, kb, n_chunks, n_cols, select_k):
         if filters(wide, kb, n_wide, n_cols, select_k) and bound_rank(n_cols, wide, select_k) <= FILTER_SMALL_RANK:
             return wide, n_wide, True
-        if (chunk == max(topk.MIN_CHUNK, BLOCK_POOLS) and wide <= kb and n_wide > 1
-                and rows * n_wide <= UNCAPPED_PER_SM * sms):
+        if chunk == smallest and wide <= kb and n_wide > 1 and rows * n_wide <= UNCAPPED_PER_SM * sms:
             return wide, n_wide, False
-    floor = max(FILTER_MIN_CHUNK, topk.MIN_CHUNK, BLOCK_POOLS)  # never below plan_leaves' smallest leaf
+    floor = max(FILTER_MIN_CHUNK, smallest)  # halving never goes below plan_leaves' smallest leaf
     while (chunk // 2 >= floor and (n_cols // chunk) * topk.POSITION_KEYS <= FILTER_TIGHT_KEYS * select_k
            and filters(chunk, kb, n_chunks, n_cols, select_k)):
         chunk //= 2
