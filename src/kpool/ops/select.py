@@ -234,11 +234,14 @@ def _check_ids_and_offsets(ranges, topk_offsets, last_token) -> None:
         raise ValueError(f"topk_offsets maps token ids up to {top + high}, past the int32 output (< 2^31)")
 
 
-def check_expansion(seq_lens, pool_size, width, rows: int, n_pools: int, device, also=()) -> int:
+def check_expansion(seq_lens, pool_size, width, rows: int, n_pools: int, device, also=(), pool_ids=None) -> int:
     """Validate the ``seq_lens [rows]``, ``pool_size`` and ``width`` of an expansion of ``n_pools``
     pool ids per row (``expand_pools_and_append_tail``), and the range of ``seq_lens`` with the
-    ranges ``also`` (one sync); returns ``width`` (None: the ``natural_width``)."""
+    ranges ``also`` and of the optional ``pool_ids`` (one sync); returns ``width`` (None: the
+    ``natural_width``)."""
     check_pool_size(pool_size)
+    if pool_ids is not None:
+        also = [*also, ("pool_ids", pool_ids, MAX_TOKENS // pool_size, POOL_ID_RANGE)]
     check_tensor("seq_lens", seq_lens, dtype=INT_DTYPES, shape=(rows,), device=device)
     natural = natural_width(n_pools, pool_size)
     if width is not None:
@@ -328,10 +331,8 @@ def expand_pools_and_append_tail(pool_ids, seq_lens, pool_size, *, width=None, p
     check_tensor("pool_ids", pool_ids, dtype=INT_DTYPES, ndim=2)
     device = pool_ids.device
     rows, n_pools = pool_ids.shape
-    check_pool_size(pool_size)
     mapping = _check_mapping(rows, device, page_table, None)
-    width = check_expansion(seq_lens, pool_size, width, rows, n_pools, device,
-                            also=[*mapping, ("pool_ids", pool_ids, MAX_TOKENS // pool_size, POOL_ID_RANGE)])
+    width = check_expansion(seq_lens, pool_size, width, rows, n_pools, device, also=mapping, pool_ids=pool_ids)
     if backend_for(device) == "torch":
         return reference.expand_pools_and_append_tail(pool_ids, seq_lens, pool_size, width=width,
                                                       page_table=page_table)
