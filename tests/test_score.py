@@ -112,6 +112,17 @@ def test_partial_row_group_stays_inside_its_step(device, monkeypatch):
     guarded.check("paged_pool_topk's scratch")
 
 
+def test_wide_plan_counts_the_leaf_programs_of_a_verify_step(device, monkeypatch):
+    """The fused selection plans its leaves with the launch's query-row groups: a verify step of
+    next_n = 3 scored 2 rows at a time has batch x 2 leaf programs per leaf, not batch x 3."""
+    monkeypatch.setenv("KPOOL_BACKEND", "triton")
+    real, groups = score.wide_plan, []
+    monkeypatch.setattr(score, "wide_plan", lambda *a, **kw: groups.append(kw.get("groups")) or real(*a, **kw))
+    run_case(device, batch=2, next_n=3, heads=16, page=64, pages_per=4, lens=[200, 201, 202, 150, 17, 151],
+             select_k=16, fp8_dtype=torch.float8_e4m3fn, seed=14, lens_after=256)
+    assert groups and set(groups) == {2 * 2}, groups  # every selection of the case (ids, then tokens)
+
+
 @pytest.mark.parametrize("layout", ["plain", "preshuffle"])
 def test_layouts_small_pages(backend, device, layout):
     run_case(device, batch=3, next_n=2, heads=32, page=32, pages_per=5, lens=[150, 151, 160, 10, 0, 99],
@@ -476,6 +487,10 @@ def test_wide_plan_doubles_exact_leaves_of_few_long_rows(monkeypatch):
     assert score.wide_plan(8, 8192, 512, "cuda") == (256, 32, True)
     monkeypatch.setenv(score.SCORER_ENV, "exact")
     assert score.wide_plan(2, 32768, 512, "cuda") == (256, 128, False)
+    # verify steps of 2 rows per program (groups = requests): 16 x 8K tokens x 2 rows already fits one
+    # wave of leaves of 128 (16 x 16 programs), 32 x 8K x 2 does not (512 programs; 256 doubled)
+    assert score.wide_plan(32, 2048, 512, "cuda", groups=16) == (128, 16, False)
+    assert score.wide_plan(64, 2048, 512, "cuda", groups=32) == (256, 8, False)
     monkeypatch.setattr(topk, "PROGRAMS_PER_SM", 4)
     assert score.wide_plan(8, 8192, 512, "cuda") == (256, 32, False)
     assert score.wide_plan(12, 8192, 512, "cuda") == (128, 64, False)

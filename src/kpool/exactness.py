@@ -125,8 +125,8 @@ def filter_decisions():
     from kpool.ops import score
     real, seen = score.wide_plan, []
 
-    def spy(*args):
-        plan = real(*args)
+    def spy(*args, **kwargs):
+        plan = real(*args, **kwargs)
         if plan[1] > 1:
             seen.append(plan[2])
         return plan

@@ -287,7 +287,7 @@ def filters(chunk: int, kb: int, n_chunks: int, n_cols: int, select_k: int) -> b
             and bound_rank(n_cols, chunk, select_k) <= FILTER_MAX_RANK)
 
 
-def wide_plan(rows: int, n_cols: int, select_k: int, device) -> tuple:
+def wide_plan(rows: int, n_cols: int, select_k: int, device, groups: int | None = None) -> tuple:
     """``(CHUNK, n_chunks, FILTER)`` of the fused scorer's leaves: ``topk.plan_leaves``', doubled
     up to ``2 * KB`` for filtering leaves when the grid still fills the GPU and the rows are long
     enough (``FILTER_WIDE_HEADS``): a filtering list holds ``2 * KB`` pools' int32 upper codes,
@@ -297,10 +297,13 @@ def wide_plan(rows: int, n_cols: int, select_k: int, device) -> tuple:
     most ``FILTER_SMALL_RANK`` (a few long rows: 2 x 128K, a verify step at 128K; the filter's
     cheaper dot then pays for its extra launches), else, from ``plan_leaves``' smallest leaf,
     into exact leaves that still keep all their keys when those fit one wave (8 x 32K, 16 x 16K
-    at select_k 512: one wave of twice the tiles beats two). Filtering leaves of rows with few of
-    them are halved instead (``FILTER_TIGHT_KEYS``): their bound comes from the leaves' position
-    keys, loose when those barely outnumber ``select_k`` (at 8 leaves of 512 it is the least of
-    512 maxima). ``FILTER``: the launch filters (``filters``; never for one leaf per row)."""
+    at select_k 512: one wave of twice the tiles beats two). That doubling counts waves in leaf
+    programs: ``groups`` per leaf, the launch's query-row groups (default ``rows``; a verify step
+    scores ``query_rows`` rows per program, so its leaves of 128 may already fit one wave).
+    Filtering leaves of rows with few of them are halved instead (``FILTER_TIGHT_KEYS``): their
+    bound comes from the leaves' position keys, loose when those barely outnumber ``select_k``
+    (at 8 leaves of 512 it is the least of 512 maxima). ``FILTER``: the launch filters
+    (``filters``; never for one leaf per row)."""
     chunk, n_chunks = topk.plan_leaves(rows, n_cols, select_k, device, BLOCK_POOLS)
     kb = topk.key_block(select_k)
     wide, n_wide = 2 * chunk, cdiv(n_cols, 2 * chunk)
@@ -312,7 +315,9 @@ def wide_plan(rows: int, n_cols: int, select_k: int, device) -> tuple:
     if sms and rows * n_chunks > UNCAPPED_PER_SM * sms and not filters(chunk, kb, n_chunks, n_cols, select_k):
         if filters(wide, kb, n_wide, n_cols, select_k) and bound_rank(n_cols, wide, select_k) <= FILTER_SMALL_RANK:
             return wide, n_wide, True
-        if chunk == smallest and wide <= kb and n_wide > 1 and rows * n_wide <= UNCAPPED_PER_SM * sms:
+        groups = rows if groups is None else groups
+        if (chunk == smallest and wide <= kb and n_wide > 1
+                and groups * n_wide <= UNCAPPED_PER_SM * sms < groups * n_chunks):
             return wide, n_wide, False
     floor = max(FILTER_MIN_CHUNK, smallest)  # halving never goes below plan_leaves' smallest leaf
     while (chunk // 2 >= floor and (n_cols // chunk) * topk.POSITION_KEYS <= FILTER_TIGHT_KEYS * select_k
@@ -443,9 +448,9 @@ def launch_paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, sele
         return out
     q8 = q_fp8.view(torch.uint8)
     rows_per_prog = query_rows(next_n)
+    groups = batch * cdiv(next_n, rows_per_prog)  # leaf programs per leaf
 
     def launch_leaves(cand, count, chunk, n_chunks, kb, final, filtered):
-        groups = batch * cdiv(next_n, rows_per_prog)
         _paged_topk_kernel[(groups, n_chunks)](
             q8, q8.stride(0), q8.stride(1), q8.stride(2), weights, weights.stride(0), weights.stride(1),
             weights.stride(2), lens, lens.stride(0), page_table, page_table.stride(0), page_table.stride(1),
@@ -469,5 +474,5 @@ def launch_paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, sele
         )
 
     topk.select_by_leaves(out, lens, limit, select_k, launch_leaves, BLOCK_POOLS, refine,
-                          plan=wide_plan(rows, limit, select_k, device), expand=expand)
+                          plan=wide_plan(rows, limit, select_k, device, groups=groups), expand=expand)
     return out
