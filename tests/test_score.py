@@ -487,10 +487,11 @@ def test_wide_plan_doubles_exact_leaves_of_few_long_rows(monkeypatch):
     assert score.wide_plan(8, 8192, 512, "cuda") == (256, 32, True)
     monkeypatch.setenv(score.SCORER_ENV, "exact")
     assert score.wide_plan(2, 32768, 512, "cuda") == (256, 128, False)
-    # verify steps of 2 rows per program (groups = requests): 16 x 8K tokens x 2 rows already fits one
-    # wave of leaves of 128 (16 x 16 programs), 32 x 8K x 2 does not (512 programs; 256 doubled)
+    # counted in leaf programs (groups): a verify step of 16 x 8K tokens x 2 rows, 2 rows a program,
+    # already fits one wave of leaves of 128 (16 x 16 programs); 8 x 10K x 3 (2 groups a request)
+    # takes two (16 x 20), so its leaves are doubled
     assert score.wide_plan(32, 2048, 512, "cuda", groups=16) == (128, 16, False)
-    assert score.wide_plan(64, 2048, 512, "cuda", groups=32) == (256, 8, False)
+    assert score.wide_plan(24, 2560, 512, "cuda", groups=16) == (256, 10, False)
     monkeypatch.setattr(topk, "PROGRAMS_PER_SM", 4)
     assert score.wide_plan(8, 8192, 512, "cuda") == (256, 32, False)
     assert score.wide_plan(12, 8192, 512, "cuda") == (128, 64, False)
