@@ -498,6 +498,31 @@ def test_wide_plan_doubles_exact_leaves_of_few_long_rows(monkeypatch):
     assert score.wide_plan(8, 8192, 128, "cuda") == (128, 64, False)
 
 
+def test_wide_plan_keeps_small_grids_of_loose_bounds_exact(monkeypatch):
+    """On a GPU of 132 SMs at select_k 512, filtering leaves of 256 (under KB) in a grid of at
+    most FILTER_UNCAPPED_PER_SM programs per SM filter only at a bound rank of at most
+    FILTER_SMALL_RANK: 64 x 8K tokens (8 leaves: rank 64) and verify steps of 32 x 8K, 16 x 16K
+    and 8 x 32K x 2 (2 rows a program: 256 programs; rank 64, 32, 16) go exact. Leaves of KB keep
+    filtering (8 x 64K x 2, 16 x 32K x 2, rank 16), and so do long rows (1 x 128K x 2, 4 x 128K x
+    2: leaves of 256 at rank 2 and 8 ... 512 at 8) and large grids (128 x 16K: 1,024 programs;
+    a prefill chunk of 8,192 rows)."""
+    monkeypatch.setattr(topk, "_sm_count", lambda device: 132)
+    monkeypatch.delenv(score.SCORER_ENV, raising=False)
+    assert score.filters(256, 512, 8, 2048, 512)  # the launch rule alone would filter these
+    assert score.wide_plan(64, 2048, 512, "cuda") == (256, 8, False)
+    for batch, n_cols in ((32, 2048), (16, 4096), (8, 8192)):
+        plan = score.wide_plan(2 * batch, n_cols, 512, "cuda", groups=batch)
+        assert plan == (256, n_cols // 256, False), (batch, n_cols)
+    for batch, n_cols in ((8, 16384), (16, 8192)):
+        assert score.wide_plan(2 * batch, n_cols, 512, "cuda", groups=batch) == (512, n_cols // 512, True)
+    assert score.wide_plan(2, 32768, 512, "cuda", groups=1) == (256, 128, True)
+    assert score.wide_plan(8, 32768, 512, "cuda", groups=4) == (512, 64, True)
+    assert score.wide_plan(128, 4096, 512, "cuda") == (256, 16, True)
+    assert score.wide_plan(8192, 4096, 512, "cuda", groups=4096) == (256, 16, True)
+    monkeypatch.setattr(score, "FILTER_SMALL_RANK", 64)
+    assert score.wide_plan(64, 2048, 512, "cuda") == (256, 8, True)
+
+
 def test_wide_plan_halves_filtering_leaves_of_rows_with_few(monkeypatch):
     """On a GPU of 132 SMs at select_k 512, a prefill chunk of 8,192 rows: leaves of 512 are
     halved to 256 while the longest row has 8-12 of them (their position keys, 64 each, at

@@ -104,7 +104,11 @@ FILTER_SMALL_RANK = 8  # exact leaves of a small grid doubled into filtering one
 #                        so do grids of one wave: 1 x 128K 15.9 -> 21.3, 2 x 64K 16.0 -> 21.2); those of more
 #                        than one wave are doubled into exact leaves that fit one (H100, e5481c5, us: 8 x 32K
 #                        25.9 -> 21.8, 16 x 16K 27.9 -> 25.6, 64 x 4K 29.7 -> 28.4, but 32 x 8K 28.8 -> 29.9; H = 64:
-#                        30.3 -> 26.8, 34.2 -> 33.1, 37.2 -> 35.0, 35.5 -> 36.4)
+#                        30.3 -> 26.8, 34.2 -> 33.1, 37.2 -> 35.0, 35.5 -> 36.4); and a small grid's filtering
+#                        leaves under KB (at most FILTER_UNCAPPED_PER_SM programs per SM) above this rank go
+#                        exact (H100, 68ed3d1, us, filtering -> exact leaves of 256: 64 x 8K 56.1 -> 39.2; verify,
+#                        next_n 2: 32 x 8K 57.5 -> 35.3, 8 x 32K 39.6 -> 35.6, 16 x 16K 36.3 -> 35.6; but leaves
+#                        of KB = 512 keep filtering: exact, 8 x 64K x 2 41.4 -> 54.4, 16 x 32K x 2 42.3 -> 58.1)
 FILTER_TIGHT_KEYS = 1.5  # filtering leaves halved (wide_plan, down to FILTER_MIN_CHUNK) while the longest row's
 #                         full leaves hold at most this many times select_k position keys (at 512: up to 12 leaves):
 #                         the row bound is then the select_k-th of twice the maxima, each over half the pools
@@ -302,8 +306,13 @@ def wide_plan(rows: int, n_cols: int, select_k: int, device, groups: int | None 
     scores ``query_rows`` rows per program, so its leaves of 128 may already fit one wave).
     Filtering leaves of rows with few of them are halved instead (``FILTER_TIGHT_KEYS``): their
     bound comes from the leaves' position keys, loose when those barely outnumber ``select_k``
-    (at 8 leaves of 512 it is the least of 512 maxima). ``FILTER``: the launch filters
+    (at 8 leaves of 512 it is the least of 512 maxima). Last, a small grid (at most one wave of
+    ``FILTER_UNCAPPED_PER_SM`` filtering programs per SM, in ``groups``) of leaves under ``KB``
+    filters only at a bound rank of at most ``FILTER_SMALL_RANK``: above it the loose bound's
+    survivors cost the refine more than its cheaper dot saves, and exact leaves of that size
+    keep all their keys (64 x 8K, a verify step of 32 x 8K x 2). ``FILTER``: the launch filters
     (``filters``; never for one leaf per row)."""
+    groups = rows if groups is None else groups
     chunk, n_chunks = topk.plan_leaves(rows, n_cols, select_k, device, BLOCK_POOLS)
     kb = topk.key_block(select_k)
     wide, n_wide = 2 * chunk, cdiv(n_cols, 2 * chunk)
@@ -315,7 +324,6 @@ def wide_plan(rows: int, n_cols: int, select_k: int, device, groups: int | None 
     if sms and rows * n_chunks > UNCAPPED_PER_SM * sms and not filters(chunk, kb, n_chunks, n_cols, select_k):
         if filters(wide, kb, n_wide, n_cols, select_k) and bound_rank(n_cols, wide, select_k) <= FILTER_SMALL_RANK:
             return wide, n_wide, True
-        groups = rows if groups is None else groups
         if (chunk == smallest and wide <= kb and n_wide > 1
                 and groups * n_wide <= UNCAPPED_PER_SM * sms < groups * n_chunks):
             return wide, n_wide, False
@@ -324,7 +332,10 @@ def wide_plan(rows: int, n_cols: int, select_k: int, device, groups: int | None 
            and filters(chunk, kb, n_chunks, n_cols, select_k)):
         chunk //= 2
         n_chunks = cdiv(n_cols, chunk)
-    return chunk, n_chunks, n_chunks > 1 and filters(chunk, kb, n_chunks, n_cols, select_k)
+    filtered = n_chunks > 1 and filters(chunk, kb, n_chunks, n_cols, select_k)
+    if filtered and chunk < kb and sms and groups * n_chunks <= FILTER_UNCAPPED_PER_SM * sms:
+        filtered = bound_rank(n_cols, chunk, select_k) <= FILTER_SMALL_RANK
+    return chunk, n_chunks, filtered
 
 
 def refine_programs(rows: int, select_k: int, device) -> int:
