@@ -442,6 +442,27 @@ def test_ab_runs_each_variant_in_its_own_tree(tmp_path, capsys, monkeypatch):
     assert "--occupy-sms holds SMs of a CUDA device" in capsys.readouterr().err
 
 
+def test_force_plan_sets_the_scorers_leaves_where_the_shape_allows(monkeypatch):
+    """``force_plan.install``: plans of several leaves take the forced size, exact only where the
+    leaves keep all their keys and filtering only where ``score.filters`` allows; one-leaf plans
+    and impossible ones stay ``wide_plan``'s."""
+    from kpool.ops import score, topk
+    monkeypatch.setattr(topk, "_sm_count", lambda device: 132)
+    monkeypatch.delenv(score.SCORER_ENV, raising=False)
+    monkeypatch.setattr(score, "wide_plan", score.wide_plan)  # restored after the test
+    real = score.wide_plan
+    _load("force_plan").install(512, filtered=False)
+    assert real(64, 2048, 512, "cuda") == (256, 8, False)
+    assert score.wide_plan(64, 2048, 512, "cuda") == (512, 4, False)
+    assert score.wide_plan(1, 300, 512, "cuda") == real(1, 300, 512, "cuda")  # one leaf
+    assert score.wide_plan(64, 2048, 128, "cuda") == real(64, 2048, 128, "cuda")  # 512 > KB: not exact
+    score.wide_plan = real
+    _load("force_plan").install(256, filtered=True)
+    assert score.wide_plan(64, 2048, 512, "cuda") == (256, 8, True)
+    assert score.wide_plan(16, 16384, 512, "cuda", groups=8) == (256, 64, True)
+    assert score.wide_plan(64, 1024, 512, "cuda") == real(64, 1024, 512, "cuda")  # bound rank 128: no filter
+
+
 def test_size_sweep_scales_one_parameter_and_fits(tmp_path, capsys, monkeypatch):
     """``benchmarks/size_sweep.py``: the case's ``--key`` set to each size (label too), every impl
     timed, a least-squares fixed + per-unit fit; an unknown case or key is refused."""
