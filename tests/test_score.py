@@ -503,9 +503,9 @@ def test_wide_plan_keeps_small_grids_of_loose_bounds_exact(monkeypatch):
     most FILTER_UNCAPPED_PER_SM programs per SM filter only at a bound rank of at most
     FILTER_SMALL_RANK: 64 x 8K tokens (8 leaves: rank 64) and verify steps of 32 x 8K, 16 x 16K
     and 8 x 32K x 2 (2 rows a program: 256 programs; rank 64, 32, 16) go exact. Leaves of KB keep
-    filtering (8 x 64K x 2, 16 x 32K x 2, rank 16), and so do long rows (1 x 128K x 2, 4 x 128K x
-    2: leaves of 256 at rank 2 and 8 ... 512 at 8) and large grids (128 x 16K: 1,024 programs;
-    a prefill chunk of 8,192 rows)."""
+    filtering (8 x 64K x 2, 16 x 32K x 2, rank 16), and so do long rows (1 x 128K x 2: leaves of
+    256 at rank 4; 4 x 128K x 2: of 512 at rank 8) and large grids (128 x 16K: 2,048 programs at
+    rank 32; a prefill chunk of 8,192 rows)."""
     monkeypatch.setattr(topk, "_sm_count", lambda device: 132)
     monkeypatch.delenv(score.SCORER_ENV, raising=False)
     assert score.filters(256, 512, 8, 2048, 512)  # the launch rule alone would filter these
