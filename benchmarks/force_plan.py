@@ -16,13 +16,14 @@ from __future__ import annotations
 
 def install(chunk: int, filtered: bool) -> None:
     """Replace ``score.wide_plan`` by the forcing wrapper (once per process)."""
+    from kpool.layout import cdiv
     from kpool.ops import score, topk
 
     real = score.wide_plan
 
     def forced(rows, n_cols, select_k, device, groups=None):
         plan = real(rows, n_cols, select_k, device, groups=groups)
-        n_chunks = -(-n_cols // chunk)
+        n_chunks = cdiv(n_cols, chunk)
         if plan[1] == 1 or n_chunks < 2:
             return plan
         kb = topk.key_block(select_k)

@@ -106,7 +106,7 @@ FILTER_SMALL_RANK = 8  # exact leaves of a small grid doubled into filtering one
 #                        25.9 -> 21.8, 16 x 16K 27.9 -> 25.6, 64 x 4K 29.7 -> 28.4, but 32 x 8K 28.8 -> 29.9; H = 64:
 #                        30.3 -> 26.8, 34.2 -> 33.1, 37.2 -> 35.0, 35.5 -> 36.4); and a small grid's filtering
 #                        leaves under KB (at most FILTER_UNCAPPED_PER_SM programs per SM) above this rank go
-#                        exact (H100, 68ed3d1, us, filtering -> exact leaves of 256: 64 x 8K 56.1 -> 39.2; verify,
+#                        exact (H100, 68ed3d1, us, filtering -> exact leaves of 256: 64 x 8K 56.1 -> 39.3; verify,
 #                        next_n 2: 32 x 8K 57.5 -> 35.3, 8 x 32K 39.6 -> 35.6, 16 x 16K 36.3 -> 35.6; but leaves
 #                        of KB = 512 keep filtering: exact, 8 x 64K x 2 41.4 -> 54.4, 16 x 32K x 2 42.3 -> 58.1)
 FILTER_TIGHT_KEYS = 1.5  # filtering leaves halved (wide_plan, down to FILTER_MIN_CHUNK) while the longest row's
