@@ -478,10 +478,12 @@ def test_force_plan_exact_grid_refines_only_short_exact_grids(monkeypatch):
     for rows, n_cols, groups in ((128, 2048, 128), (256, 1024, 256), (128, 2048, 64), (128, 2048, 32)):
         assert real(rows, n_cols, 512, "cuda", groups=groups) == (512, n_cols // 512, False)
         assert score.wide_plan(rows, n_cols, 512, "cuda", groups=groups) == (256, n_cols // 256, False)
-    for args in ((64, 2048, 512, "cuda"), (32, 32768, 512, "cuda"), (1, 300, 512, "cuda"),
+    for args in ((64, 2048, 512, "cuda"), (32, 32768, 512, "cuda"), (1, 300, 512, "cuda"), (300, 512, 512, "cuda"),
                  (1024, 2048, 512, "cuda"), (16, 8192, 512, "cuda")):
         assert score.wide_plan(*args) == real(*args), args
     assert real(64, 2048, 512, "cuda") == (256, 8, False) and real(32, 32768, 512, "cuda")[2]
+    assert real(300, 512, 512, "cuda") == (512, 1, False)  # one leaf, which 4 per SM would split in two
+    assert real(1024, 2048, 512, "cuda") == (512, 4, False)  # exact, already 4,096 programs
     assert topk.PROGRAMS_PER_SM == 2
 
 
