@@ -34,6 +34,7 @@ and the reference expansion (eager, requests / rows in chunks to bound memory).
 
 ``$KPOOL_BENCH_HEADS`` (default 32) times another head count (16 or 64: the issue's other H),
 e.g. ``KPOOL_BENCH_HEADS=64 python benchmarks/ab.py --op score ...``; the README's records are H = 32.
+``$KPOOL_BENCH_TOPK`` (default 2048) sets the full and quick modes' ``index_topk`` (4096: select_k 1,024).
 ``$KPOOL_BENCH_DECODE`` adds decode cases to every mode's, as comma-separated ``B:CTX[:NEXT_N]``
 (``CTX`` in tokens), e.g. ``KPOOL_BENCH_DECODE=2:131072,1:131072:2`` for small batches and verify steps.
 
@@ -54,6 +55,7 @@ OP = "score"
 TITLE = "scoring + selection (issue 5)"
 P = 4
 HEADS = int(os.environ.get("KPOOL_BENCH_HEADS", "32"))  # module docstring
+TOPK = int(os.environ.get("KPOOL_BENCH_TOPK", "2048"))  # module docstring
 EXTRA_DECODE = os.environ.get("KPOOL_BENCH_DECODE", "")  # module docstring
 HEAD = 128
 PAGE = 64
@@ -74,13 +76,13 @@ def cases(mode):
         dec = [(32, 131072, 1), (1, 131072, 1)]
         pre = [(8192, 32768)]
         rag = [(1024, 32768)]
-        topk = 2048
+        topk = TOPK
     else:
         dec = [(32, 131072, 1), (128, 1048576, 1), (1, 131072, 1), (4, 131072, 1), (32, (4096, 131072), 1),
                (32, 32768, 1)]
         pre = [(8192, 4096), (8192, 8192), (8192, 32768)]  # rows of 4-8, 12-16 and 30-32 leaves of 512 pools
         rag = [(1024, 32768)]
-        topk = 2048
+        topk = TOPK
     dec = dec + extra_decode_cases(EXTRA_DECODE)
     out = [{"label": f"decode B={b} ctx={_ctx_label(c)}" + (f" n={n}" if n > 1 else ""), "kind": "decode",
             "batch": b, "ctx": c[1] if isinstance(c, tuple) else c, "ctx_lo": c[0] if isinstance(c, tuple) else None,

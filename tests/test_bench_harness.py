@@ -463,30 +463,6 @@ def test_force_plan_sets_the_scorers_leaves_where_the_shape_allows(monkeypatch):
     assert score.wide_plan(64, 1024, 512, "cuda") == real(64, 1024, 512, "cuda")  # bound rank 128: no filter
 
 
-def test_force_plan_exact_grid_refines_only_short_exact_grids(monkeypatch):
-    """``force_plan.install_exact_grid(4)`` on 132 SMs at select_k 512: exact leaves of 512 whose
-    grid is under 4 programs per SM become leaves of 256 (128 x 8K, 256 x 4K; verify steps of 64 x
-    8K x 2 and 32 x 8K x 4, ``plan_leaves`` counting rows); exact leaves of 256 stay (none finer
-    than ``smallest``), and so do filtering plans, one-leaf plans and grids that already hold 4 per
-    SM; ``PROGRAMS_PER_SM`` is left as it was."""
-    from kpool.ops import score, topk
-    monkeypatch.setattr(topk, "_sm_count", lambda device: 132)
-    monkeypatch.delenv(score.SCORER_ENV, raising=False)
-    monkeypatch.setattr(score, "wide_plan", score.wide_plan)  # restored after the test
-    real = score.wide_plan
-    _load("force_plan").install_exact_grid(4)
-    for rows, n_cols, groups in ((128, 2048, 128), (256, 1024, 256), (128, 2048, 64), (128, 2048, 32)):
-        assert real(rows, n_cols, 512, "cuda", groups=groups) == (512, n_cols // 512, False)
-        assert score.wide_plan(rows, n_cols, 512, "cuda", groups=groups) == (256, n_cols // 256, False)
-    for args in ((64, 2048, 512, "cuda"), (32, 32768, 512, "cuda"), (1, 300, 512, "cuda"), (300, 512, 512, "cuda"),
-                 (1024, 2048, 512, "cuda"), (16, 8192, 512, "cuda")):
-        assert score.wide_plan(*args) == real(*args), args
-    assert real(64, 2048, 512, "cuda") == (256, 8, False) and real(32, 32768, 512, "cuda")[2]
-    assert real(300, 512, 512, "cuda") == (512, 1, False)  # one leaf, which 4 per SM would split in two
-    assert real(1024, 2048, 512, "cuda") == (512, 4, False)  # exact, already 4,096 programs
-    assert topk.PROGRAMS_PER_SM == 2
-
-
 def test_size_sweep_scales_one_parameter_and_fits(tmp_path, capsys, monkeypatch):
     """``benchmarks/size_sweep.py``: the case's ``--key`` set to each size (label too), every impl
     timed, a least-squares fixed + per-unit fit; an unknown case or key is refused."""

@@ -113,14 +113,16 @@ def test_partial_row_group_stays_inside_its_step(device, monkeypatch):
 
 
 def test_wide_plan_counts_the_leaf_programs_of_a_verify_step(device, monkeypatch):
-    """The fused selection plans its leaves with the launch's query-row groups: a verify step of
-    next_n = 3 scored 2 rows at a time has batch x 2 leaf programs per leaf, not batch x 3."""
+    """The fused selection plans its leaves with the launch's query-row groups and head count: a
+    verify step of next_n = 3 scored 2 rows at a time has batch x 2 leaf programs per leaf, not
+    batch x 3."""
     monkeypatch.setenv("KPOOL_BACKEND", "triton")
-    real, groups = score.wide_plan, []
-    monkeypatch.setattr(score, "wide_plan", lambda *a, **kw: groups.append(kw.get("groups")) or real(*a, **kw))
+    real, seen = score.wide_plan, []
+    monkeypatch.setattr(score, "wide_plan",
+                        lambda *a, **kw: seen.append((kw.get("groups"), kw.get("heads"))) or real(*a, **kw))
     run_case(device, batch=2, next_n=3, heads=16, page=64, pages_per=4, lens=[200, 201, 202, 150, 17, 151],
              select_k=16, fp8_dtype=torch.float8_e4m3fn, seed=14, lens_after=256)
-    assert groups and set(groups) == {2 * 2}, groups  # every selection of the case (ids, then tokens)
+    assert seen and set(seen) == {(2 * 2, 16)}, seen  # every selection of the case (ids, then tokens)
 
 
 @pytest.mark.parametrize("layout", ["plain", "preshuffle"])
@@ -501,15 +503,18 @@ def test_wide_plan_doubles_exact_leaves_of_few_long_rows(monkeypatch):
 def test_wide_plan_keeps_small_grids_of_loose_bounds_exact(monkeypatch):
     """On a GPU of 132 SMs at select_k 512, filtering leaves of 256 (under KB) in a grid of at
     most FILTER_UNCAPPED_PER_SM programs per SM filter only at a bound rank of at most
-    FILTER_SMALL_RANK: 64 x 8K tokens (8 leaves: rank 64) and verify steps of 32 x 8K, 16 x 16K
-    and 8 x 32K x 2 (2 rows a program: 256 programs; rank 64, 32, 16) go exact. Leaves of KB keep
-    filtering (8 x 64K x 2, 16 x 32K x 2, rank 16), and so do long rows (1 x 128K x 2: leaves of
-    256 at rank 4; 4 x 128K x 2: of 512 at rank 8) and large grids (128 x 16K: 2,048 programs at
-    rank 32; a prefill chunk of 8,192 rows)."""
+    FILTER_SMALL_RANK, FILTER_SMALL_RANK_ROWS1 for one-row programs: verify steps of 32 x 8K, 16 x
+    16K and 8 x 32K x 2 (2 rows a program: 256 programs; rank 64, 32, 16) and 64 x 8K tokens (8
+    leaves: rank 64) go exact, decode steps of 16 x 32K and 32 x 16K (rank 16, 32) keep filtering.
+    Leaves of KB keep filtering (8 x 64K x 2, 16 x 32K x 2, rank 16), and so do long rows (1 x 128K
+    x 2: leaves of 256 at rank 4; 4 x 128K x 2: of 512 at rank 8) and large grids (128 x 16K: 2,048
+    programs at rank 32; a prefill chunk of 8,192 rows)."""
     monkeypatch.setattr(topk, "_sm_count", lambda device: 132)
     monkeypatch.delenv(score.SCORER_ENV, raising=False)
     assert score.filters(256, 512, 8, 2048, 512)  # the launch rule alone would filter these
     assert score.wide_plan(64, 2048, 512, "cuda") == (256, 8, False)
+    assert score.wide_plan(16, 8192, 512, "cuda") == (256, 32, True)
+    assert score.wide_plan(32, 4096, 512, "cuda") == (256, 16, True)
     for batch, n_cols in ((32, 2048), (16, 4096), (8, 8192)):
         plan = score.wide_plan(2 * batch, n_cols, 512, "cuda", groups=batch)
         assert plan == (256, n_cols // 256, False), (batch, n_cols)
@@ -519,8 +524,40 @@ def test_wide_plan_keeps_small_grids_of_loose_bounds_exact(monkeypatch):
     assert score.wide_plan(8, 32768, 512, "cuda", groups=4) == (512, 64, True)
     assert score.wide_plan(128, 4096, 512, "cuda") == (256, 16, True)
     assert score.wide_plan(8192, 4096, 512, "cuda", groups=4096) == (256, 16, True)
-    monkeypatch.setattr(score, "FILTER_SMALL_RANK", 64)
+    monkeypatch.setattr(score, "FILTER_SMALL_RANK_ROWS1", 16)
+    assert score.wide_plan(16, 8192, 512, "cuda") == (256, 32, True)
+    assert score.wide_plan(32, 4096, 512, "cuda") == (256, 16, False)
+    monkeypatch.setattr(score, "FILTER_SMALL_RANK_ROWS1", 64)
     assert score.wide_plan(64, 2048, 512, "cuda") == (256, 8, True)
+    assert score.wide_plan(64, 2048, 512, "cuda", groups=32) == (256, 8, False)  # 2 rows a program
+    monkeypatch.setattr(score, "FILTER_SMALL_RANK", 64)
+    assert score.wide_plan(64, 2048, 512, "cuda", groups=32) == (256, 8, True)
+
+
+def test_wide_plan_splits_exact_leaves_of_short_grids(monkeypatch):
+    """On a GPU of 132 SMs at select_k 512 and up to 32 heads, exact leaves of 512 whose grid is
+    under EXACT_PROGRAMS_PER_SM (4) programs per SM become leaves of 256 (decode 128 x 8K, 256 x
+    4K; verify 64 x 8K x 2, 32 x 8K x 3 and x 4, rows counted as ``plan_leaves`` counts them); at
+    64 heads, and for filtering plans, one-leaf plans, leaves of 256 already and grids that hold
+    4 per SM, the plan is ``shaped_plan``'s; leaves over KB (select_k 64) are not split."""
+    monkeypatch.setattr(topk, "_sm_count", lambda device: 132)
+    monkeypatch.delenv(score.SCORER_ENV, raising=False)
+    for rows, n_cols, groups in ((128, 2048, 128), (256, 1024, 256), (128, 2048, 64), (96, 2048, 64),
+                                 (128, 2048, 32)):
+        assert score.shaped_plan(rows, n_cols, 512, "cuda", groups) == (512, n_cols // 512, False)
+        for heads in (16, 32):
+            assert score.wide_plan(rows, n_cols, 512, "cuda", groups, heads) == (256, n_cols // 256, False)
+        assert score.wide_plan(rows, n_cols, 512, "cuda", groups, 64) == (512, n_cols // 512, False)
+    for args in ((64, 2048, 512, "cuda"), (16, 8192, 512, "cuda"), (300, 512, 512, "cuda"),
+                 (1024, 2048, 512, "cuda"), (128, 8192, 64, "cuda")):
+        assert score.wide_plan(*args) == score.shaped_plan(*args), args
+    assert score.shaped_plan(64, 2048, 512, "cuda") == (256, 8, False)  # already 256
+    assert score.shaped_plan(16, 8192, 512, "cuda")[2]  # filtering
+    assert score.shaped_plan(300, 512, 512, "cuda") == (512, 1, False)  # one leaf, which 4 per SM would split
+    assert score.shaped_plan(1024, 2048, 512, "cuda") == (512, 4, False)  # already 4,096 programs
+    assert score.shaped_plan(128, 8192, 64, "cuda") == (512, 16, False)  # exact leaves over KB = 64
+    monkeypatch.setattr(score, "EXACT_MIN_CHUNK", 512)
+    assert score.wide_plan(128, 2048, 512, "cuda") == (512, 4, False)
 
 
 def test_wide_plan_halves_filtering_leaves_of_rows_with_few(monkeypatch):

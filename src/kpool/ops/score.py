@@ -109,6 +109,20 @@ FILTER_SMALL_RANK = 8  # exact leaves of a small grid doubled into filtering one
 #                        exact (H100, 68ed3d1, us, filtering -> exact leaves of 256: 64 x 8K 56.1 -> 39.3; verify,
 #                        next_n 2: 32 x 8K 57.5 -> 35.3, 8 x 32K 39.6 -> 35.6, 16 x 16K 36.3 -> 35.6; but leaves
 #                        of KB = 512 keep filtering: exact, 8 x 64K x 2 41.4 -> 54.4, 16 x 32K x 2 42.3 -> 58.1)
+FILTER_SMALL_RANK_ROWS1 = 32  # ... but one-row leaves (decode steps) of such a small grid keep filtering up to this
+#                               rank (H200, 3804322, us, exact -> filtering leaves of 256: 16 x 32K 36.5 -> 33.9 at
+#                               rank 16, 32 x 16K 39.3 -> 34.2 at rank 32; 64 heads 47.4 -> 40.4, 50.4 -> 42.7; 16 heads
+#                               33.7 -> 32.3, 35.2 -> 33.3; while verify steps, 2 rows a program, lose at 16 and 32:
+#                               8 x 32K x 2 35.2 -> 37.2, 16 x 16K x 2 35.1 -> 35.7; 64 x 8K at rank 64 stays exact)
+EXACT_PROGRAMS_PER_SM = 4  # exact plans of several leaves that keep all their keys take plan_leaves' leaves for this
+#                            many programs per SM where those are finer and hold at least EXACT_MIN_CHUNK pools ...
+EXACT_MIN_CHUNK = 256
+EXACT_FINE_MAX_HEADS = 32  # ... at up to this many heads (H200, 3804322, us, exact leaves of 512 -> 256: 128 x 8K
+#                            66.8 -> 59.2, 256 x 4K 67.6 -> 60.5, verify 64 x 8K x 2 62.5 -> 56.7, 128 x 4K x 2
+#                            63.4 -> 57.9, 32 x 8K x 3 60.2 -> 52.8, x 4 62.4 -> 56.6, 64 x 4K x 3 62.8 -> 56.7, x 4
+#                            63.4 -> 57.5; 16 heads 128 x 8K 57.2 -> 51.3, 64 x 8K x 2 52.1 -> 46.9; at 64 heads the
+#                            verify steps gain 6-8% but 128 x 8K loses, 87.6 -> 116.2: its 1,024 programs take 2.6
+#                            waves of 3 capped ones per SM, each with twice the query set-up)
 FILTER_TIGHT_KEYS = 1.5  # filtering leaves halved (wide_plan, down to FILTER_MIN_CHUNK) while the longest row's
 #                         full leaves hold at most this many times select_k position keys (at 512: up to 12 leaves):
 #                         the row bound is then the select_k-th of twice the maxima, each over half the pools
@@ -291,8 +305,22 @@ def filters(chunk: int, kb: int, n_chunks: int, n_cols: int, select_k: int) -> b
             and bound_rank(n_cols, chunk, select_k) <= FILTER_MAX_RANK)
 
 
-def wide_plan(rows: int, n_cols: int, select_k: int, device, groups: int | None = None) -> tuple:
-    """``(CHUNK, n_chunks, FILTER)`` of the fused scorer's leaves: ``topk.plan_leaves``', doubled
+def wide_plan(rows: int, n_cols: int, select_k: int, device, groups: int | None = None, heads: int = 32) -> tuple:
+    """``(CHUNK, n_chunks, FILTER)`` of the fused scorer's leaves for ``heads`` query heads:
+    ``shaped_plan``'s, whose exact leaves, when they keep all their keys and the query has at most
+    ``EXACT_FINE_MAX_HEADS`` heads, are split down to ``topk.plan_leaves``' for
+    ``EXACT_PROGRAMS_PER_SM`` programs per SM, to no fewer than ``EXACT_MIN_CHUNK`` pools (128 x 8K,
+    256 x 4K, verify steps of 64 x 8K x 2: leaves of 512 in 1.3 waves of 3 capped programs per
+    SM become leaves of 256 in 2.6, the tail wave's idle SMs fewer)."""
+    chunk, n_chunks, filtered = plan = shaped_plan(rows, n_cols, select_k, device, groups)
+    if filtered or n_chunks == 1 or chunk > topk.key_block(select_k) or heads > EXACT_FINE_MAX_HEADS:
+        return plan
+    fine, n_fine = topk.plan_leaves(rows, n_cols, select_k, device, BLOCK_POOLS, per_sm=EXACT_PROGRAMS_PER_SM)
+    return (fine, n_fine, False) if EXACT_MIN_CHUNK <= fine < chunk else plan
+
+
+def shaped_plan(rows: int, n_cols: int, select_k: int, device, groups: int | None = None) -> tuple:
+    """``(CHUNK, n_chunks, FILTER)`` before ``wide_plan``'s last step: ``topk.plan_leaves``', doubled
     up to ``2 * KB`` for filtering leaves when the grid still fills the GPU and the rows are long
     enough (``FILTER_WIDE_HEADS``): a filtering list holds ``2 * KB`` pools' int32 upper codes,
     and the leaf's work outside its tile loop (query set-up, heads) is spread over twice the
@@ -308,7 +336,8 @@ def wide_plan(rows: int, n_cols: int, select_k: int, device, groups: int | None 
     bound comes from the leaves' position keys, loose when those barely outnumber ``select_k``
     (at 8 leaves of 512 it is the least of 512 maxima). Last, a small grid (at most one wave of
     ``FILTER_UNCAPPED_PER_SM`` filtering programs per SM, in ``groups``) of leaves under ``KB``
-    filters only at a bound rank of at most ``FILTER_SMALL_RANK``: above it the loose bound's
+    filters only at a bound rank of at most ``FILTER_SMALL_RANK`` (``FILTER_SMALL_RANK_ROWS1``
+    for one-row programs: 16 x 32K and 32 x 16K keep filtering): above it the loose bound's
     survivors cost the refine more than its cheaper dot saves, and exact leaves of that size
     keep all their keys (64 x 8K, a verify step of 32 x 8K x 2). ``FILTER``: the launch filters
     (``filters``; never for one leaf per row)."""
@@ -334,7 +363,8 @@ def wide_plan(rows: int, n_cols: int, select_k: int, device, groups: int | None 
         n_chunks = cdiv(n_cols, chunk)
     filtered = n_chunks > 1 and filters(chunk, kb, n_chunks, n_cols, select_k)
     if filtered and chunk < kb and sms and groups * n_chunks <= FILTER_UNCAPPED_PER_SM * sms:
-        filtered = bound_rank(n_cols, chunk, select_k) <= FILTER_SMALL_RANK
+        rank = FILTER_SMALL_RANK_ROWS1 if groups == rows else FILTER_SMALL_RANK
+        filtered = bound_rank(n_cols, chunk, select_k) <= rank
     return chunk, n_chunks, filtered
 
 
@@ -485,5 +515,5 @@ def launch_paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, sele
         )
 
     topk.select_by_leaves(out, lens, limit, select_k, launch_leaves, BLOCK_POOLS, refine,
-                          plan=wide_plan(rows, limit, select_k, device, groups=groups), expand=expand)
+                          plan=wide_plan(rows, limit, select_k, device, groups=groups, heads=heads), expand=expand)
     return out

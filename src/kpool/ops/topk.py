@@ -685,13 +685,13 @@ def _sm_count(device) -> int:
     return _SMS[index]
 
 
-def plan_leaves(rows: int, n_cols: int, select_k: int, device, granule: int = 1):
+def plan_leaves(rows: int, n_cols: int, select_k: int, device, granule: int = 1, per_sm: int | None = None):
     """``(CHUNK, n_chunks)`` for the leaves of ``rows`` rows of ``n_cols`` pools (at least one
     leaf): the largest power of two from ``max(KB, LEAF_BASE)`` down to
-    ``max(MIN_CHUNK, granule)`` whose grid still fills the GPU; off the GPU the largest, or the
-    smallest with ``SMALLEST_LEAVES``."""
+    ``max(MIN_CHUNK, granule)`` whose grid still fills the GPU with ``per_sm`` programs per SM
+    (default ``PROGRAMS_PER_SM``); off the GPU the largest, or the smallest with ``SMALLEST_LEAVES``."""
     sms = _sm_count(device)
-    want = PROGRAMS_PER_SM * sms if sms else (1 << 62 if SMALLEST_LEAVES else 0)
+    want = (PROGRAMS_PER_SM if per_sm is None else per_sm) * sms if sms else (1 << 62 if SMALLEST_LEAVES else 0)
     n_cols = max(n_cols, 1)
     floor = max(MIN_CHUNK, granule)
     chunk = max(key_block(select_k), LEAF_BASE, floor)
