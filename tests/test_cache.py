@@ -855,6 +855,88 @@ def test_decode_slot_mappings_rejects_bad_input():
         decode_slot_mappings(pos, torch.tensor([-1, 0]), z(2, 1), 4, 16, 8)
     _, tslots = decode_slot_mappings(pos, torch.tensor([0, -1]), z(2, 1), 4, 16, 8)  # a padding row's block: unused
     assert tslots.tolist() == [[5, 6], [-1, -1]]
+    # ids whose slots would overflow int64 (and wrap to a small slot of another request)
+    with pytest.raises(ValueError, match="ring_blocks holds 2305843009213693952"):
+        decode_slot_mappings(pos, torch.tensor([2**61, 0]), z(2, 1), 4, 16, 8)
+    with pytest.raises(ValueError, match="page_table holds 1152921504606846976"):
+        decode_slot_mappings(pos, torch.tensor([0, 1]), torch.tensor([[2**60], [0]]), 4, 16, 8)
+    top = (2**63 - 8) // 8  # the largest block whose 8 ring slots fit
+    _, tslots = decode_slot_mappings(pos, torch.tensor([top, 0]), z(2, 1), 4, 16, 8)
+    assert tslots[0].tolist() == [top * 8 + 5, top * 8 + 6]
+
+
+def test_prefill_plan_rejects_overflowing_ids():
+    """``prefill_plan``: a ring block or page whose slots overflow int64 raises naming it (the
+    slots would wrap to a small slot: another request's), and so does a ``cu_seqlens`` entry
+    outside int64."""
+    from kpool.planning import prefill_plan
+    table = torch.tensor([[1, 4], [3, -1]])
+    with pytest.raises(ValueError, match="page_table holds 1152921504606846976"):
+        prefill_plan([0, 11, 17], [0, 6], [2, 0], torch.tensor([[2**60, 4], [3, -1]]), 4, 16, 8)
+    with pytest.raises(ValueError, match="ring_blocks holds 2305843009213693952"):
+        prefill_plan([0, 11, 17], [0, 6], [2**61, 0], table, 4, 16, 8)
+    with pytest.raises(ValueError, match="cu_seqlens: an integer outside int64"):
+        prefill_plan([0, 11, 2**64], [0, 6], [2, 0], table, 4, 16, 8)
+    assert prefill_plan([0, 11, 17], [0, 6], [2, 0], table, 4, 16, 8).pool_locs.tolist() == [16, 17, 49, 50]
+
+
+def test_unhashable_request_ids_are_named():
+    """An unhashable request id (a list) raises a TypeError naming ``request_ids`` in every step."""
+    ape = torch.zeros(4, D, device=DEVICE)
+    c = KPoolCache(4, page_size=16, pool_size=4, max_requests=3, ape=ape, device=DEVICE)
+    k, g = Tokens(61)(3)
+    c.prefill(["a"], [k], [g])
+    q = torch.zeros(1, 16, D, dtype=torch.bfloat16, device=DEVICE)
+    w = torch.zeros(1, 16, device=DEVICE)
+    for call in (lambda: c.prefill([["c"]], [k], [g]), lambda: c.decode([["a"]], [k[:1]], [g[:1]]),
+                 lambda: c.accept([["a"]], [1]), lambda: c.topk_indices([["a"]], q, w, index_topk=4)):
+        with pytest.raises(TypeError, match="request_ids must hold hashable ids"):
+            call()
+    assert list(c._requests) == ["a"] and c.length("a") == 3
+
+
+def test_failed_write_gives_back_what_the_step_reserved(backend):
+    """A step whose write fails (a launch error) gives back what it reserved: a prefill's new
+    request is forgotten with its ring block and pages, a decode's new page is free again (the
+    free lists as a cache's that never tried), and the next steps allocate and write exactly as
+    that cache's."""
+    P = 4
+    ape = (torch.randn(P, D, generator=torch.Generator().manual_seed(7)) * 0.5).to(DEVICE)
+
+    def cache():
+        return KPoolCache(8, page_size=4, pool_size=P, max_requests=3, max_spec_tokens=1, ape=ape, device=DEVICE)
+    c, twin, toks, toks1 = cache(), cache(), Tokens(60), Tokens(60)
+    for cc, tt in ((c, toks), (twin, toks1)):
+        k, g = tt(19)  # 4 pools: one page of 4 pools
+        cc.prefill(["a"], [k], [g])
+
+    def failing(*args):
+        raise RuntimeError("launch failed")
+    c._write_step = failing
+    k, g = toks(70)
+    with pytest.raises(RuntimeError, match="launch failed"):
+        c.prefill(["b"], [k], [g])
+    assert list(c._requests) == ["a"] and c.length("a") == 19
+    assert c._free_pages == twin._free_pages and c._free_blocks == twin._free_blocks
+    k2, g2 = toks(2)
+    with pytest.raises(RuntimeError, match="launch failed"):
+        c.decode(["a"], k2.view(1, 2, D), g2.view(1, 2, D))  # 21 tokens: 5 pools, a second page
+    w = twin._block_pages.shape[1]  # c's rows may have been widened: the rest is -1
+    assert c._free_pages == twin._free_pages and torch.equal(c._block_pages[:, :w], twin._block_pages)
+    assert bool((c._block_pages[:, w:] == -1).all())
+    assert c.page_table(["a"]).tolist() == twin.page_table(["a"]).tolist()
+    del c._write_step
+    for cc, tt in ((c, toks), (twin, toks1)):
+        if cc is twin:
+            tt(70), tt(2)  # the twin's generator in step with c's
+        k, g = tt(70)
+        cc.prefill(["b"], [k], [g])
+        k, g = tt(2)
+        cc.decode(["a"], k.view(1, 2, D), g.view(1, 2, D))
+    assert c.ring_block("b") == twin.ring_block("b")
+    assert c.page_table(["a", "b"]).tolist() == twin.page_table(["a", "b"]).tolist()
+    same_bytes(c.kv_cache, twin.kv_cache, "kv_cache after the failed steps")
+    same_bytes(c.tail, twin.tail, "tail after the failed steps")
 
 
 def test_mappings_computed_once_write_another_layer(backend):

@@ -106,6 +106,17 @@ def test_opcheck(name, backend, device):
     torch.library.opcheck(op, CASES[name](device), **({"test_utils": utils} if utils else {}))
 
 
+@pytest.mark.parametrize("name", ["compress_and_write_cache", "decode_update", "expand_pools_and_append_tail"])
+def test_fakes_refuse_a_meta_tensor_among_real_ones(name):
+    """A meta tensor among CPU ones sends the call to the op's fake; the fake raises naming the
+    devices instead of returning as if the op had run (the writers would have written nothing)."""
+    args = CASES[name]("cpu")
+    k = next(i for i, a in enumerate(args) if torch.is_tensor(a) and a.dtype in (torch.int32, torch.int64))
+    args[k] = args[k].to("meta")
+    with pytest.raises(ValueError, match=f"kpool::{name} takes its tensors on one device, got .* on meta"):
+        getattr(torch.ops.kpool, name)(*args)
+
+
 @pytest.mark.parametrize("width", [0, 2 * PAGE + 5])
 def test_paged_pool_topk_expands(backend, device, width):
     """``seq_lens`` / ``pool_size`` / ``width`` (the Python API's ``expand``): the same tokens as

@@ -299,6 +299,12 @@ def test_compute_pooled_write_locs_out_of_range(backend, device, monkeypatch):
     ids = torch.tensor([0, 191, 192, -1, 500])
     with pytest.raises(ValueError, match="pool_ids"):
         sel.compute_pooled_write_locs(pt64.to(device), ids.to(device), p)
+    big = torch.tensor([2**58, 1 << 57, (1 << 57) - 1, -1])  # entry * 64 + 63 must fit in int64
+    for entry in (2**58, 1 << 57):
+        with pytest.raises(ValueError, match=f"page_table_64 holds {entry}"):
+            sel.compute_pooled_write_locs(big[big == entry].to(device), torch.tensor([0, 63]).to(device), 1)
+    top = sel.compute_pooled_write_locs(big[2:].to(device), torch.tensor([63, 0]).to(device), 1).cpu()
+    assert top.tolist() == [2**63 - 1, 2**63 - 64]
     monkeypatch.setenv("KPOOL_CHECK", "0")  # unchecked: the kernel still never reads past the table
     got = sel.compute_pooled_write_locs(pt64.to(device), ids.to(device), p).cpu().tolist()
     assert got == oracle_write_locs(pt64.tolist(), ids.tolist(), p) == [100 * 64, 108 * 64 + 63, -1, -1, -1]

@@ -5,7 +5,8 @@ Eager code calls the plain Python functions (``kpool.kpool_compress_and_write_ca
 ...), which skip the dispatcher's per-call overhead; both run the same launchers.
 
 Cache writers mutate their cache arguments in place and return nothing (their fakes do
-nothing); the others return new tensors whose fakes give shapes and dtypes only. Optional
+nothing); the others return new tensors whose fakes give shapes and dtypes only. Every fake
+checks that its tensors share one device (``_one_device``). Optional
 arguments of the Python API that select a variant are explicit here (``layout``,
 ``fp8_dtype``) so a traced graph never depends on the platform default at replay time.
 """
@@ -27,6 +28,15 @@ from .ops.select import expand_pools_and_append_tail, natural_width
 NAMESPACE = "kpool"
 
 
+def _one_device(op: str, **tensors) -> None:
+    """A fake's check: its tensor arguments (None: absent) on one device. A meta tensor among
+    real ones routes the call to the fake, which would otherwise write nothing, silently."""
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"{NAMESPACE}::{op} takes its tensors on one device, got "
+                         + ", ".join(f"{name} on {device}" for name, device in devices.items()))
+
+
 @torch.library.custom_op(f"{NAMESPACE}::compress_and_write_cache", mutates_args=("kv_cache",))
 def compress_and_write_cache(kv_cache: torch.Tensor, slot_k: torch.Tensor, slot_score: torch.Tensor,
                              ape: torch.Tensor, loc: torch.Tensor, pool_size: int, round_scale: bool, layout: str,
@@ -38,6 +48,8 @@ def compress_and_write_cache(kv_cache: torch.Tensor, slot_k: torch.Tensor, slot_
 
 @compress_and_write_cache.register_fake
 def _(kv_cache, slot_k, slot_score, ape, loc, pool_size, round_scale, layout, fp8_dtype, write_mask=None):
+    _one_device("compress_and_write_cache", kv_cache=kv_cache, slot_k=slot_k, slot_score=slot_score, ape=ape,
+                loc=loc, write_mask=write_mask)
     return None
 
 
@@ -55,6 +67,8 @@ def decode_update(kv_cache: torch.Tensor, tail_kv_cache: torch.Tensor, tail_slot
 @decode_update.register_fake
 def _(kv_cache, tail_kv_cache, tail_slot_mapping, key, slot_score, ape, slot_mapping, positions, pool_size,
       round_scale, layout, fp8_dtype):
+    _one_device("decode_update", kv_cache=kv_cache, tail_kv_cache=tail_kv_cache, tail_slot_mapping=tail_slot_mapping,
+                key=key, slot_score=slot_score, ape=ape, slot_mapping=slot_mapping, positions=positions)
     return None
 
 
@@ -69,6 +83,8 @@ def prefill_write(kv_cache: torch.Tensor, tail: torch.Tensor, key: torch.Tensor,
 
 @prefill_write.register_fake
 def _(kv_cache, tail, key, gate, ape, pools, requests, pool_size, round_scale, layout, fp8_dtype):
+    _one_device("write_prefill", kv_cache=kv_cache, tail=tail, key=key, gate=gate, ape=ape, pools=pools,
+                requests=requests)
     return None
 
 
@@ -93,6 +109,7 @@ def quantize(q: torch.Tensor, weights: torch.Tensor, fp8_dtype: torch.dtype,
 
 @quantize.register_fake
 def _(q, weights, fp8_dtype, round_scale):
+    _one_device("quantize_queries", q=q, weights=weights)
     lead = tuple(q.shape[:-1])
     return (q.new_empty((*lead, HEAD_DIM), dtype=fp8_dtype), q.new_empty((*lead, 1), dtype=torch.float32),
             q.new_empty(lead, dtype=torch.float32))
@@ -115,6 +132,8 @@ def pool_topk(q_fp8: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor
 @pool_topk.register_fake
 def _(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, layout, fp8_dtype, max_pools, seq_lens=None,
       pool_size=1, width=0):
+    _one_device("paged_pool_topk", q_fp8=q_fp8, kv_cache=kv_cache, weights=weights, pool_lens=pool_lens,
+                page_table=page_table, seq_lens=seq_lens)
     cols = select_k if seq_lens is None else (width or natural_width(select_k, pool_size))
     return q_fp8.new_empty((q_fp8.shape[0] * q_fp8.shape[1], cols), dtype=torch.int32)
 
@@ -127,4 +146,5 @@ def expand_and_append(pool_ids: torch.Tensor, seq_lens: torch.Tensor, pool_size:
 
 @expand_and_append.register_fake
 def _(pool_ids, seq_lens, pool_size, width):
+    _one_device("expand_pools_and_append_tail", pool_ids=pool_ids, seq_lens=seq_lens)
     return pool_ids.new_empty((pool_ids.shape[0], width), dtype=torch.int32)

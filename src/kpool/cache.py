@@ -270,8 +270,7 @@ class KPoolCache:
         num_accepted = int_list("num_accepted", num_accepted)
         if len(num_accepted) != len(request_ids):
             raise ValueError(f"num_accepted has {len(num_accepted)} entries for {len(request_ids)} request_ids")
-        if len(set(request_ids)) != len(request_ids):
-            raise ValueError("request_ids must not repeat within an accept")
+        _check_distinct(request_ids, "an accept")
         reqs = [self._get(r) for r in request_ids]
         for rid, req, n in zip(request_ids, reqs, num_accepted):
             if req.step_kind == "decode" and 0 <= n <= req.step_len:
@@ -302,14 +301,19 @@ class KPoolCache:
         lengths = [b - a for a, b in bounds]
         new_ids = [r for r in request_ids if r not in self._requests]
         starts = [self._requests[r].length if r in self._requests else 0 for r in request_ids]
-        self._reserve(request_ids, new_ids, [s + n for s, n in zip(starts, lengths)])
-        reqs = [self._requests[r] for r in request_ids]
-        cu = [0] + [b for _, b in bounds]  # the packed rows start at 0 (_pack)
-        table = self._table(reqs)
-        plan = prefill_plan(cu, starts, [r.block for r in reqs], table, self.pool_size, self.page_size, self.ring)
-        dev = self.device
-        write = ("prefill", (_upload(plan.pools, dev), _upload(plan.requests, dev)), lengths)
-        self._write_step(write, self.kv_cache, self.tail, key, gate, self.ape)
+        reserved = self._reserve(request_ids, new_ids, [s + n for s, n in zip(starts, lengths)])
+        try:
+            reqs = [self._requests[r] for r in request_ids]
+            cu = [0] + [b for _, b in bounds]  # the packed rows start at 0 (_pack)
+            table = self._table(reqs)
+            plan = prefill_plan(cu, starts, [r.block for r in reqs], table, self.pool_size, self.page_size,
+                                self.ring)
+            dev = self.device
+            write = ("prefill", (_upload(plan.pools, dev), _upload(plan.requests, dev)), lengths)
+            self._write_step(write, self.kv_cache, self.tail, key, gate, self.ape)
+        except BaseException:
+            self._unreserve(*reserved)
+            raise
         for req, a, n in zip(reqs, starts, lengths):
             req.step_start, req.step_len, req.step_kind, req.length = a, n, "prefill", a + n
         self._last_write, self._plan = write, None
@@ -329,8 +333,7 @@ class KPoolCache:
         """
         _check_unchanged(self._buffers(), self._owned, "the cache allocated it")
         key, gate, counts = self._step_rows(request_ids, keys, gates)
-        if len(set(request_ids)) != len(request_ids):
-            raise ValueError("request_ids must not repeat within a step")
+        _check_distinct(request_ids, "a step")
         reqs = [self._get(r) for r in request_ids]
         if max(counts, default=0) > self.max_spec_tokens + 1:
             rid, n = next((r, n) for r, n in zip(request_ids, counts) if n > self.max_spec_tokens + 1)
@@ -341,20 +344,24 @@ class KPoolCache:
             raise ValueError(f"keys hold steps of {key.shape[1]} tokens; max_spec_tokens = {self.max_spec_tokens} "
                              f"allows {self.max_spec_tokens + 1}")
         starts = [r.length for r in reqs]
-        self._reserve(request_ids, [], [s + n for s, n in zip(starts, counts)])
-        p, width = self.pool_size, key.shape[1]
-        blocks = host_int64([r.block for r in reqs])
-        table = self._table(reqs, blocks)
-        col = torch.arange(width, dtype=torch.int64)
-        pos = host_int64(starts)[:, None] + col
-        if min(counts, default=width) < width:  # -1: rows of shorter lists
-            pos.masked_fill_(col >= host_int64(counts)[:, None], -1)
-        slots, tslots = slot_mappings(pos, blocks, table, p, self.page_size, self.ring)
-        # positions, slots, tail slots twice, one upload: the write's tables (replayed by write_layer)
-        # and the ones metadata() hands out, which a caller may change
-        grid = _upload(torch.stack((pos, slots, tslots) * 2), self.device)
-        write = ("decode", (grid[2], grid[1], grid[0]), counts)
-        self._write_step(write, self.kv_cache, self.tail, key, gate, self.ape)
+        reserved = self._reserve(request_ids, [], [s + n for s, n in zip(starts, counts)])
+        try:
+            p, width = self.pool_size, key.shape[1]
+            blocks = host_int64([r.block for r in reqs])
+            table = self._table(reqs, blocks)
+            col = torch.arange(width, dtype=torch.int64)
+            pos = host_int64(starts)[:, None] + col
+            if min(counts, default=width) < width:  # -1: rows of shorter lists
+                pos.masked_fill_(col >= host_int64(counts)[:, None], -1)
+            slots, tslots = slot_mappings(pos, blocks, table, p, self.page_size, self.ring)
+            # positions, slots, tail slots twice, one upload: the write's tables (replayed by write_layer)
+            # and the ones metadata() hands out, which a caller may change
+            grid = _upload(torch.stack((pos, slots, tslots) * 2), self.device)
+            write = ("decode", (grid[2], grid[1], grid[0]), counts)
+            self._write_step(write, self.kv_cache, self.tail, key, gate, self.ape)
+        except BaseException:
+            self._unreserve(*reserved)
+            raise
         for req, a, n in zip(reqs, starts, counts):
             req.step_start, req.step_len, req.step_kind, req.length = a, n, "decode", a + n
         self._last_write, self._plan = write, None
@@ -531,8 +538,7 @@ class KPoolCache:
         key = (tuple(request_ids), select_k, logits_budget_bytes(), scratch_bytes_per_pool(self.device))
         if self._plan is not None and self._plan.key == key:
             return self._plan
-        if len(set(request_ids)) != len(request_ids):
-            raise ValueError("request_ids must not repeat in topk_indices")
+        _check_distinct(request_ids, "topk_indices")
         reqs = [self._get(r) for r in request_ids]
         counts = [r.step_len for r in reqs]
         p = self.pool_size
@@ -644,8 +650,7 @@ class KPoolCache:
 
     def _pack(self, request_ids, keys, gates, cu_seqlens):
         """Token-major ``[T, 128]`` keys / gates and each request's row range."""
-        if len(set(request_ids)) != len(request_ids):
-            raise ValueError("request_ids must not repeat within a step")
+        _check_distinct(request_ids, "a step")
         if cu_seqlens is None:
             self._check_lists(request_ids, keys, gates)
             bounds, row = [], 0
@@ -671,8 +676,9 @@ class KPoolCache:
                              f"{len(request_ids) + 1} entries, got {cu}")
         return keys, gates, list(zip(cu, cu[1:]))
 
-    def _reserve(self, request_ids, new_ids, new_lengths) -> None:
-        """Check capacity for the step, then allocate ring blocks and pages (all or nothing)."""
+    def _reserve(self, request_ids, new_ids, new_lengths) -> tuple[list, list]:
+        """Check capacity for the step, then allocate ring blocks and pages (all or nothing).
+        Returns what ``_unreserve`` takes back: ``(new_ids, [(id, pages held, pages added)])``."""
         if len(new_ids) > len(self._free_blocks):
             raise CacheCapacityError(f"too many requests: {len(new_ids)} new, {len(self._free_blocks)} ring blocks "
                                      f"free (max_requests = {self.tail.shape[0]})")
@@ -692,7 +698,7 @@ class KPoolCache:
         for rid in new_ids:
             self._requests[rid] = _Request(block=self._free_blocks.pop())
         if not total:
-            return
+            return new_ids, grow
         blocks, cols, pages = [], [], []
         for rid, h, n in grow:
             req = self._requests[rid]
@@ -706,6 +712,28 @@ class KPoolCache:
             wider[:, :width] = self._block_pages
             self._block_pages = wider
         self._block_pages[host_int64(blocks), host_int64(cols)] = host_int64(pages)
+        return new_ids, grow
+
+    def _unreserve(self, new_ids, grow) -> None:
+        """Undo ``_reserve`` (a step whose write failed): its pages and ring blocks go back to the
+        free lists in the order they left them, its new requests are forgotten."""
+        for rid, have, _ in reversed(grow):
+            req = self._requests[rid]
+            self._free_pages.extend(reversed(req.pages[have:]))
+            self._block_pages[req.block, have:len(req.pages)] = -1
+            del req.pages[have:]
+        for rid in reversed(new_ids):
+            self._free_blocks.append(self._requests.pop(rid).block)
+
+
+def _check_distinct(request_ids, where: str) -> None:
+    """``request_ids`` hashable and none twice in ``where``."""
+    try:
+        distinct = len(set(request_ids))
+    except TypeError as e:
+        raise TypeError(f"request_ids must hold hashable ids (str, int, ...): {e}") from None
+    if distinct != len(request_ids):
+        raise ValueError(f"request_ids must not repeat within {where}")
 
 
 # ---------------------------------------------------------------------- scoring helpers

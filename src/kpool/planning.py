@@ -24,6 +24,14 @@ def _check_sizes(pool_size, page_size, ring) -> None:
         raise ValueError(f"ring = {ring} must be a multiple of pool_size = {pool_size} (layout.ring_size)")
 
 
+def _check_slot_ids(name: str, values: torch.Tensor, per: int) -> None:
+    """Ids (pages, ring blocks) of host ``values`` address ``id * per + (per - 1)`` at most: that must
+    fit in int64 (a larger id would wrap to a small, valid-looking slot)."""
+    top = (torch.iinfo(torch.int64).max - per + 1) // per
+    if values.numel() and int(values.max()) > top:
+        raise ValueError(f"{name} holds {int(values.max())}: its slots (x {per}) overflow int64 (at most {top})")
+
+
 def decode_slot_mappings(positions: torch.Tensor, ring_blocks: torch.Tensor, page_table: torch.Tensor,
                          pool_size: int, page_size: int, ring: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-token mappings of a decode / verify step, as ``KPoolCache.decode`` builds them.
@@ -42,7 +50,8 @@ def decode_slot_mappings(positions: torch.Tensor, ring_blocks: torch.Tensor, pag
         decode writer's rule: a smaller ring raises here, not at the first layer's write).
 
     Values are checked on the host only (no sync on a GPU): there a negative ring block of a
-    live row gives negative tail slots, which the writers take for padding.
+    live row gives negative tail slots, which the writers take for padding, and ids whose slots
+    overflow int64 (``block * RING``, ``page * PAGE``) are not caught.
 
     Returns int64 ``(slot_mapping, tail_slot_mapping)``, each ``[B, next_n]``: the flat slot
     of pool ``pos // P`` where ``(pos + 1) % P == 0``, else -1 (also -1 where that pool's page
@@ -61,9 +70,11 @@ def decode_slot_mappings(positions: torch.Tensor, ring_blocks: torch.Tensor, pag
     for name, t in (("ring_blocks", ring_blocks), ("page_table", page_table)):
         if t.device != positions.device:
             raise ValueError(f"{name} is on {t.device}, positions on {positions.device}: pass them on one device")
-    if positions.device.type == "cpu" and not torch.compiler.is_compiling() \
-            and bool(((positions >= 0) & (ring_blocks[:, None] < 0)).any()):
-        raise ValueError("ring_blocks has a negative block for a request with live positions")
+    if positions.device.type == "cpu" and not torch.compiler.is_compiling():
+        if bool(((positions >= 0) & (ring_blocks[:, None] < 0)).any()):
+            raise ValueError("ring_blocks has a negative block for a request with live positions")
+        _check_slot_ids("ring_blocks", ring_blocks, ring)
+        _check_slot_ids("page_table", page_table, page_size)
     return slot_mappings(positions, ring_blocks, page_table, pool_size, page_size, ring)
 
 
@@ -129,7 +140,7 @@ def prefill_plan(cu_seqlens, starts, ring_blocks, page_table, pool_size: int, pa
 
     Host work: integer tensors (any device: read back once) or lists. Returns a
     ``PrefillPlan`` on ``page_table``'s device. Raises naming the argument for non-integer or
-    inconsistent inputs, a negative ring block or a missing page.
+    inconsistent inputs, a negative ring block, a missing page, or ids whose slots overflow int64.
     """
     _check_sizes(pool_size, page_size, ring)
     cu, start, blocks = (_host_ints(name, v) for name, v in (("cu_seqlens", cu_seqlens), ("starts", starts),
@@ -155,6 +166,8 @@ def prefill_plan(cu_seqlens, starts, ring_blocks, page_table, pool_size: int, pa
     if bool((blocks < 0).any()):
         raise ValueError(f"ring_blocks must be non-negative (every request of a prefill is live), got "
                          f"{int(blocks.min())}")
+    _check_slot_ids("ring_blocks", blocks, ring)
+    _check_slot_ids("page_table", table, page_size)
     p = pool_size
     row0, end = cu[:-1], start + lengths
     # pools the chunks complete: a // P .. b // P - 1 of each request
@@ -194,7 +207,10 @@ def _host_ints(name, values) -> torch.Tensor:
     if torch.is_tensor(values):
         check_tensor(name, values, dtype=INT_DTYPES, ndim=1)
         return values.to("cpu", torch.int64)
-    return host_int64(int_list(name, values))
+    try:
+        return host_int64(int_list(name, values))
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
 
 
 def host_int64(values) -> torch.Tensor:

@@ -16,7 +16,7 @@ import triton.language as tl
 from .. import reference
 from ..layout import cdiv, next_pow2
 from .._backend import backend_for, on_device_of, pdl_launch
-from .._checks import (INT_DTYPES, check_index_range, check_index_ranges, check_pool_size, check_tensor,
+from .._checks import (INT_DTYPES, check_index_ranges, check_pool_size, check_tensor,
                        range_checks_enabled)
 from . import _pdl
 
@@ -472,8 +472,9 @@ def compute_pooled_write_locs(page_table_64, pool_ids, pool_size):
     Returns
     -------
     int64 ``[...]`` (shape of ``pool_ids``): ``page_table_64[(id // 64) * P] * 64 + id % 64``;
-    -1 for negative ids. A non-negative id whose page row is past the table raises (when range
-    checks run, see ``KPOOL_CHECK``) and otherwise gives -1.
+    -1 for negative ids. A non-negative id whose page row is past the table, or a table entry
+    of 2^57 or more (its slots would overflow int64), raises (when range checks run, see
+    ``KPOOL_CHECK``); otherwise such an id gives -1.
     """
     check_pool_size(pool_size)
     check_tensor("page_table_64", page_table_64, dtype=INT_DTYPES, ndim=1)
@@ -481,7 +482,8 @@ def compute_pooled_write_locs(page_table_64, pool_ids, pool_size):
     check_tensor("pool_ids", pool_ids, dtype=INT_DTYPES, device=device)
     n_pages = page_table_64.shape[0]
     limit = cdiv(n_pages, pool_size) * 64  # ids with (id // 64) * P < n_pages
-    check_index_range("pool_ids", pool_ids, limit, f"pooled page table ({n_pages} token pages, P={pool_size})")
+    check_index_ranges([("pool_ids", pool_ids, limit, f"pooled page table ({n_pages} token pages, P={pool_size})"),
+                        ("page_table_64", page_table_64, 1 << 57, "blocks whose 64 slots fit in int64")])
     if backend_for(device) == "torch":
         return reference.compute_pooled_write_locs(page_table_64, pool_ids, pool_size)
     out = torch.empty(pool_ids.shape, dtype=torch.int64, device=device)
