@@ -501,6 +501,13 @@ def test_ragged_spans_and_tiles(backend, device):
     want = reference.ragged_pool_logits(q.view(torch.uint8), k.view(torch.uint8), ksc, w, ks, ke, fp8_dtype)
     assert_same_f32(out, want, "ragged logits vs reference")
     assert int(torch.isfinite(want).sum(1)[5]) == 0 and int(torch.isfinite(want).sum(1)[3]) == 1
+    # strided windows (every other entry of a longer tensor): the same rows
+    ks2, ke2 = (torch.stack([t, t.flip(0)], 1)[:, 0].to(device) for t in (ks, ke))
+    assert ks2.stride(0) == 2 and ke2.stride(0) == 2
+    out = ragged_pool_logits(q.to(device), k.to(device), ksc.to(device), w.to(device), ks2, ke.to(device))
+    assert_same_f32(out, want, "ragged logits, strided ks")
+    out = ragged_pool_logits(q.to(device), k.to(device), ksc.to(device), w.to(device), ks.to(device), ke2)
+    assert_same_f32(out, want, "ragged logits, strided ke")
 
 
 def test_ragged_uint8_codes_scale_column_and_nan_codes(backend, device):

@@ -562,6 +562,7 @@ def ragged_pool_logits(q_fp8, k_codes, k_scale, weights, ks, ke, *, fp8_dtype=No
     if n_q == 0 or n_keys == 0:
         return out
     q8, k8 = q_fp8.view(torch.uint8), k_codes.view(torch.uint8)
+    ks, ke = ks.contiguous(), ke.contiguous()  # the kernel reads them by row index
     grid = (n_q, cdiv(n_keys, RAGGED_TILE * RAGGED_TILES))
     _ragged_logits_kernel[grid](
         q8, q8.stride(0), q8.stride(1), weights, weights.stride(0), weights.stride(1),
