@@ -367,8 +367,8 @@ def _paged_logits_kernel(q_ptr, q_sb, q_sn, q_sh, w_ptr, w_sb, w_sn, w_sh, lens_
 
 
 @triton.jit
-def _ragged_logits_kernel(q_ptr, q_st, q_sh, w_ptr, w_st, w_sh, k_ptr, k_sn, ksc_ptr, ksc_sn, ks_ptr, ke_ptr,
-                          n_keys, out_ptr, out_stride, lut_ptr,
+def _ragged_logits_kernel(q_ptr, q_st, q_sh, w_ptr, w_st, w_sh, k_ptr, k_sn, ksc_ptr, ksc_sn, ks_ptr, ks_st,
+                          ke_ptr, ke_st, n_keys, out_ptr, out_stride, lut_ptr,
                           BN: tl.constexpr, NT: tl.constexpr, H: tl.constexpr, FNUZ: tl.constexpr,
                           NATIVE_FP8: tl.constexpr, PDL: tl.constexpr):
     _pdl.grid_dependency_sync(PDL)
@@ -377,8 +377,8 @@ def _ragged_logits_kernel(q_ptr, q_st, q_sh, w_ptr, w_st, w_sh, k_ptr, k_sn, ksc
     t = tl.program_id(0).to(tl.int64)
     start = tl.program_id(1).to(tl.int64) * NT * BN
     d = tl.arange(0, 64)
-    lo = tl.maximum(tl.load(ks_ptr + t).to(tl.int64), 0)
-    hi = tl.minimum(tl.load(ke_ptr + t).to(tl.int64), n_keys)
+    lo = tl.maximum(tl.load(ks_ptr + t * ks_st).to(tl.int64), 0)
+    hi = tl.minimum(tl.load(ke_ptr + t * ke_st).to(tl.int64), n_keys)
     out_row = out_ptr + t * out_stride
     if (start < hi) & (start + NT * BN > lo):
         hh = tl.arange(0, H)
@@ -562,11 +562,10 @@ def ragged_pool_logits(q_fp8, k_codes, k_scale, weights, ks, ke, *, fp8_dtype=No
     if n_q == 0 or n_keys == 0:
         return out
     q8, k8 = q_fp8.view(torch.uint8), k_codes.view(torch.uint8)
-    ks, ke = ks.contiguous(), ke.contiguous()  # the kernel reads them by row index
     grid = (n_q, cdiv(n_keys, RAGGED_TILE * RAGGED_TILES))
     _ragged_logits_kernel[grid](
         q8, q8.stride(0), q8.stride(1), weights, weights.stride(0), weights.stride(1),
-        k8, k8.stride(0), k_scale, k_scale.stride(0), ks, ke, n_keys, out, out.stride(0),
+        k8, k8.stride(0), k_scale, k_scale.stride(0), ks, ks.stride(0), ke, ke.stride(0), n_keys, out, out.stride(0),
         halves_table(fp8_dtype, device), BN=RAGGED_TILE, NT=RAGGED_TILES, H=heads, **decode_args(fp8_dtype, device),
         enable_fp_fusion=False, **pdl_launch(device),
     )
