@@ -631,6 +631,10 @@ def test_topk_indices_validation(monkeypatch):
             c.topk_indices(["a", "b"], q, w, index_topk=bad)
     with pytest.raises(ValueError, match="width"):
         c.topk_indices(["a", "b"], q, w, index_topk=16, width=18)
+    with pytest.raises(ValueError, match=r"width must be an int in \[index_topk \+ pool_size - 1 = 19, 2147483647\]"):
+        c.topk_indices(["a", "b"], q, w, index_topk=16, width=2**31)
+    with pytest.raises(ValueError, match="index_topk \\+ pool_size - 1 must be at most 2147483647"):
+        c.topk_indices(["a", "b"], q, w, index_topk=2**31)  # whole pools, too wide for int32 positions
     empty = c.topk_indices([], q[:0], w[:0], index_topk=16)
     assert empty.shape == (0, 19) and empty.dtype == torch.int32
 

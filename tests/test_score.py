@@ -152,6 +152,8 @@ def test_validation(backend, device):
     pt = torch.tensor([[0, 1]], dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match="select_k"):
         paged_pool_topk(q, kv, w, lens, pt, 0)
+    with pytest.raises(ValueError, match="select_k must be at most 2147483647"):
+        paged_pool_topk(q, kv, w, lens, pt, 2**40)
     with pytest.raises(ValueError, match="pool_lens"):
         paged_pool_topk(q, kv, w, torch.tensor([[200]], device=device), pt, 4)
     with pytest.raises(ValueError, match="q_fp8"):

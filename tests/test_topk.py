@@ -294,6 +294,8 @@ def test_validation(backend, device):
     for bad in (0, -1, 2.0, True):
         with pytest.raises(ValueError, match="select_k"):
             select_pools(logits, lens, bad)
+    with pytest.raises(ValueError, match="select_k must be at most 2147483647, got 1099511627776"):
+        select_pools(logits, lens, 2**40)  # named before any allocation of the [R, select_k] ids
 
 
 def test_survivor_count_limit():

@@ -88,10 +88,15 @@ def check_bool(name: str, value) -> None:
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
-def check_positive_int(name: str, value) -> None:
-    """``value`` must be an int >= 1 (a bool is not an int here)."""
+MAX_SELECT = 2**31 - 1  # columns of a selection row: its ids and token positions are int32
+
+
+def check_positive_int(name: str, value, most: int | None = None) -> None:
+    """``value`` must be an int >= 1 (a bool is not an int here), and ``<= most`` if given."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if most is not None and value > most:
+        raise ValueError(f"{name} must be at most {most}, got {value}")
 
 
 def check_pool_size(pool_size: int, name: str = "pool_size") -> None:

@@ -33,8 +33,8 @@ import torch
 
 from . import reference
 from ._backend import backend_for
-from ._checks import (check_bool, check_device_type, check_page_layout, check_positive_int, check_slot_count,
-                      check_tensor, int_list, own_indices)
+from ._checks import (MAX_SELECT, check_bool, check_device_type, check_page_layout, check_positive_int,
+                      check_slot_count, check_tensor, int_list, own_indices)
 from .layout import ENTRY_BYTES, HEAD_DIM, cdiv, read_entries, resolve_fp8_dtype, resolve_layout, ring_size
 from .ops.decode import launch_decode_update
 from .ops.logits import check_heads
@@ -849,8 +849,9 @@ def selection_width(index_topk, width, pool_size: int) -> int:
     natural = index_topk + pool_size - 1
     if width is None:
         return natural
-    if not isinstance(width, int) or isinstance(width, bool) or width < natural:
-        raise ValueError(f"width must be an int >= index_topk + pool_size - 1 = {natural}, got {width!r}")
+    if not isinstance(width, int) or isinstance(width, bool) or not natural <= width <= MAX_SELECT:
+        raise ValueError(f"width must be an int in [index_topk + pool_size - 1 = {natural}, {MAX_SELECT}], "
+                         f"got {width!r}")
     return width
 
 
@@ -860,6 +861,9 @@ def _check_index_topk(index_topk, pool_size: int) -> None:
     if not isinstance(index_topk, int) or isinstance(index_topk, bool) or index_topk < pool_size \
             or index_topk % pool_size:
         raise ValueError(f"index_topk must be a positive multiple of pool_size = {pool_size}, got {index_topk!r}")
+    if index_topk + pool_size - 1 > MAX_SELECT:
+        raise ValueError(f"index_topk + pool_size - 1 must be at most {MAX_SELECT} (int32 token positions), "
+                         f"got {index_topk} + {pool_size} - 1")
 
 
 def score_and_select_quantized(q8, w, kv_cache, page_table, positions, *, pool_size, select_k, width=None,
@@ -886,6 +890,7 @@ def score_and_select_quantized(q8, w, kv_cache, page_table, positions, *, pool_s
     -------
     int32 ``[B * n, width]`` rows as ``KPoolCache.topk_indices`` (padding rows all -1).
     """
+    check_positive_int("select_k", select_k, most=MAX_SELECT)
     batch, n = positions.shape
     seq, lens = counts or visible_counts(positions, pool_size)  # [B * n] tokens / complete pools each row sees
     lens = lens.view(batch, n)
