@@ -540,8 +540,10 @@ def test_wide_plan_splits_exact_leaves_of_short_grids(monkeypatch):
     """On a GPU of 132 SMs at select_k 512 and up to 32 heads, exact leaves of 512 whose grid is
     under EXACT_PROGRAMS_PER_SM (4) programs per SM become leaves of 256 (decode 128 x 8K, 256 x
     4K; verify 64 x 8K x 2, 32 x 8K x 3 and x 4, rows counted as ``plan_leaves`` counts them); at
-    64 heads, and for filtering plans, one-leaf plans, leaves of 256 already and grids that hold
-    4 per SM, the plan is ``shaped_plan``'s; leaves over KB (select_k 64) are not split."""
+    64 heads only where the split grid's query-row groups x leaves hold at most
+    EXACT_WIDE_HEADS_PER_SM (4) programs per SM (the verify steps, not 128 x 8K's 1,024); for
+    filtering plans, one-leaf plans, leaves of 256 already and grids that hold 4 per SM, the plan
+    is ``shaped_plan``'s; leaves over KB (select_k 64) are not split."""
     monkeypatch.setattr(topk, "_sm_count", lambda device: 132)
     monkeypatch.delenv(score.SCORER_ENV, raising=False)
     for rows, n_cols, groups in ((128, 2048, 128), (256, 1024, 256), (128, 2048, 64), (96, 2048, 64),
@@ -549,7 +551,13 @@ def test_wide_plan_splits_exact_leaves_of_short_grids(monkeypatch):
         assert score.shaped_plan(rows, n_cols, 512, "cuda", groups) == (512, n_cols // 512, False)
         for heads in (16, 32):
             assert score.wide_plan(rows, n_cols, 512, "cuda", groups, heads) == (256, n_cols // 256, False)
-        assert score.wide_plan(rows, n_cols, 512, "cuda", groups, 64) == (512, n_cols // 512, False)
+        split = groups * (n_cols // 256) <= 4 * 132  # 64 heads: (128, 2048, 64) and (128, 2048, 32)
+        assert score.wide_plan(rows, n_cols, 512, "cuda", groups, 64) == ((256, n_cols // 256, False) if split
+                                                                         else (512, n_cols // 512, False))
+    assert [score.wide_plan(128, 2048, 512, "cuda", g, 64)[0] for g in (128, 67, 66, 64)] == [512, 512, 256, 256]
+    monkeypatch.setattr(score, "EXACT_WIDE_HEADS_PER_SM", 0)
+    assert score.wide_plan(128, 2048, 512, "cuda", 32, 64) == (512, 4, False)
+    monkeypatch.setattr(score, "EXACT_WIDE_HEADS_PER_SM", 4)
     for args in ((64, 2048, 512, "cuda"), (16, 8192, 512, "cuda"), (300, 512, 512, "cuda"),
                  (1024, 2048, 512, "cuda"), (128, 8192, 64, "cuda")):
         assert score.wide_plan(*args) == score.shaped_plan(*args), args

@@ -122,7 +122,10 @@ EXACT_FINE_MAX_HEADS = 32  # ... at up to this many heads (H200, 3804322, us, ex
 #                            63.4 -> 57.9, 32 x 8K x 3 60.2 -> 52.8, x 4 62.4 -> 56.6, 64 x 4K x 3 62.8 -> 56.7, x 4
 #                            63.4 -> 57.5; 16 heads 128 x 8K 57.2 -> 51.3, 64 x 8K x 2 52.1 -> 46.9; at 64 heads the
 #                            verify steps gain 6-8% but 128 x 8K loses, 87.6 -> 116.2: its 1,024 programs take 2.6
-#                            waves of 3 capped ones per SM, each with twice the query set-up)
+#                            waves of 3 capped ones per SM, each with twice the query set-up) ...
+EXACT_WIDE_HEADS_PER_SM = 4  # ... and above it where the split grid (query-row groups x leaves) holds at most this
+#                              many programs per SM (64 heads: 64 x 8K x 2, 512 programs, 115.3 -> 108.8; 32 x 8K
+#                              x 3, 256, 110.1 -> 101.7; not 128 x 8K's 1,024); 0: never
 FILTER_TIGHT_KEYS = 1.5  # filtering leaves halved (wide_plan, down to FILTER_MIN_CHUNK) while the longest row's
 #                         full leaves hold at most this many times select_k position keys (at 512: up to 12 leaves):
 #                         the row bound is then the select_k-th of twice the maxima, each over half the pools
@@ -311,12 +314,18 @@ def wide_plan(rows: int, n_cols: int, select_k: int, device, groups: int | None 
     ``EXACT_FINE_MAX_HEADS`` heads, are split down to ``topk.plan_leaves``' for
     ``EXACT_PROGRAMS_PER_SM`` programs per SM, to no fewer than ``EXACT_MIN_CHUNK`` pools (128 x 8K,
     256 x 4K, verify steps of 64 x 8K x 2: leaves of 512 in 1.3 waves of 3 capped programs per
-    SM become leaves of 256 in 2.6, the tail wave's idle SMs fewer)."""
+    SM become leaves of 256 in 2.6, the tail wave's idle SMs fewer); with more heads, only where
+    the split grid's ``groups`` x leaves stay within ``EXACT_WIDE_HEADS_PER_SM`` programs per SM."""
     chunk, n_chunks, filtered = plan = shaped_plan(rows, n_cols, select_k, device, groups)
-    if filtered or n_chunks == 1 or chunk > topk.key_block(select_k) or heads > EXACT_FINE_MAX_HEADS:
+    if filtered or n_chunks == 1 or chunk > topk.key_block(select_k):
         return plan
     fine, n_fine = topk.plan_leaves(rows, n_cols, select_k, device, BLOCK_POOLS, per_sm=EXACT_PROGRAMS_PER_SM)
-    return (fine, n_fine, False) if EXACT_MIN_CHUNK <= fine < chunk else plan
+    if not EXACT_MIN_CHUNK <= fine < chunk:
+        return plan
+    if heads > EXACT_FINE_MAX_HEADS and (rows if groups is None else groups) * n_fine > \
+            EXACT_WIDE_HEADS_PER_SM * (topk._sm_count(device) or 0):
+        return plan
+    return fine, n_fine, False
 
 
 def shaped_plan(rows: int, n_cols: int, select_k: int, device, groups: int | None = None) -> tuple:
