@@ -124,8 +124,10 @@ EXACT_FINE_MAX_HEADS = 32  # ... at up to this many heads (H200, 3804322, us, ex
 #                            verify steps gain 6-8% but 128 x 8K loses, 87.6 -> 116.2: its 1,024 programs take 2.6
 #                            waves of 3 capped ones per SM, each with twice the query set-up) ...
 EXACT_WIDE_HEADS_PER_SM = 4  # ... and above it where the split grid (query-row groups x leaves) holds at most this
-#                              many programs per SM (64 heads: 64 x 8K x 2, 512 programs, 115.3 -> 108.8; 32 x 8K
-#                              x 3, 256, 110.1 -> 101.7; not 128 x 8K's 1,024); 0: never
+#                              many programs per SM (H100, 4a3df8a, us, 64 heads, 0 -> 4: verify 32 x 8K x 3
+#                              114.7 -> 107.5, 64 x 8K x 2 121.0 -> 113.6, 128 x 4K x 2 124.7 -> 119.8, 64 x 4K x 3
+#                              119.1 -> 111.4; select_k 1,024: 16 x 32K x 3 250.9 -> 216.6, 4 x 128K x 2 123.6 ->
+#                              118.3; not 128 x 8K's 1,024 programs, which lost 33% split on the H200); 0: never
 FILTER_TIGHT_KEYS = 1.5  # filtering leaves halved (wide_plan, down to FILTER_MIN_CHUNK) while the longest row's
 #                         full leaves hold at most this many times select_k position keys (at 512: up to 12 leaves):
 #                         the row bound is then the select_k-th of twice the maxima, each over half the pools
