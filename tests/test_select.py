@@ -403,6 +403,11 @@ def _bad_calls():
         (A, (hist, _with(seq.long(), 2**31), seq, 4), {}, ValueError, "seq_lens"),
         (A, (hist, seq + 5, seq, 4), {"topk_offsets": _with(seq.long(), 2**31 - 4)}, ValueError, "topk_offsets"),
         (X, (ids, ok, 16, 4), {"topk_offsets": _with(seq.long(), -3)}, ValueError, "topk_offsets holds -3"),
+        # output columns past 2^31 - 1 (int32 column ids) are named before anything is allocated
+        (E, (ids, seq, 4), {"width": 2**31}, ValueError, "width must be at most 2147483647"),
+        (E, (ids[:, :1].expand(3, 2**29), seq, 4), {}, ValueError, "536870912 pools per row .* 2147483651 output"),
+        (X, (ids, ok, 2**31, 4), {}, ValueError, "topk must be at most 2147483647"),
+        (A, (hist[:, :1].expand(3, 2**31 - 3), seq, seq, 4), {}, ValueError, "2147483648 output columns"),
         (A, (hist, seq + 5, seq, 4), {"topk_offsets": _with(seq.long(), -1)}, ValueError, "topk_offsets holds -1"),
         (sel.build_pooled_page_table, (pt[:, :62], 4), {}, ValueError, "page_table"),
         (sel.build_pooled_page_table, (pt.float(), 4), {}, TypeError, "page_table"),

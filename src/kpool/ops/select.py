@@ -16,7 +16,7 @@ import triton.language as tl
 from .. import reference
 from ..layout import cdiv, next_pow2
 from .._backend import backend_for, on_device_of, pdl_launch
-from .._checks import (INT_DTYPES, check_index_ranges, check_pool_size, check_tensor,
+from .._checks import (INT_DTYPES, MAX_SELECT, check_index_ranges, check_pool_size, check_tensor,
                        range_checks_enabled)
 from . import _pdl
 
@@ -191,10 +191,19 @@ def _inner_contiguous(t):
 
 
 def _check_int(name, value, minimum=0):
+    """An int in ``[minimum, MAX_SELECT]`` (output columns, addressed with int32 column ids)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if value > MAX_SELECT:
+        raise ValueError(f"{name} must be at most {MAX_SELECT} (int32 output columns), got {value}")
+
+
+def _check_columns(name: str, cols: int) -> None:
+    """The ``cols`` output columns an input's shape implies must fit int32 column ids."""
+    if cols > MAX_SELECT:
+        raise ValueError(f"{name} would give {cols} output columns, more than {MAX_SELECT} (int32 column ids)")
 
 
 def natural_width(n_pools: int, pool_size: int) -> int:
@@ -244,6 +253,7 @@ def check_expansion(seq_lens, pool_size, width, rows: int, n_pools: int, device,
         also = [*also, ("pool_ids", pool_ids, MAX_TOKENS // pool_size, POOL_ID_RANGE)]
     check_tensor("seq_lens", seq_lens, dtype=INT_DTYPES, shape=(rows,), device=device)
     natural = natural_width(n_pools, pool_size)
+    _check_columns(f"{n_pools} pools per row at pool_size {pool_size}", natural)
     if width is not None:
         _check_int("width", width)
         if width < natural:
@@ -399,6 +409,7 @@ def append_tail_to_topk(topk_result, seq_lens, pool_lens, pool_size, page_table=
     check_tensor("topk_result", topk_result, dtype=torch.int32, ndim=2)
     device = topk_result.device
     rows, n_cols = topk_result.shape
+    _check_columns(f"topk_result's {n_cols} columns plus the pool_size - 1 tail", n_cols + pool_size - 1)
     check_tensor("seq_lens", seq_lens, dtype=INT_DTYPES, shape=(rows,), device=device)
     check_tensor("pool_lens", pool_lens, dtype=INT_DTYPES, shape=(rows,), device=device)
     mapping = _check_mapping(rows, device, page_table, topk_offsets)
