@@ -328,8 +328,8 @@ def expand_pools_and_append_tail(pool_ids, seq_lens, pool_size, *, width=None, p
     seq_lens : int32/int64 ``[rows]`` token-granular sequence length of each query row
         (``pos + 1``); negative (padding rows) counts as 0.
     pool_size : P.
-    width : optional int >= ``n_pools*P + P - 1``: output width (e.g. rounded up to a multiple
-        of 128); the extra columns are -1.
+    width : optional int in ``[n_pools*P + P - 1, 2^31 - 1]``: output width (e.g. rounded up to a
+        multiple of 128); the extra columns are -1.
     page_table : optional int32/int64 ``[>= rows, W]``: every valid token ``t`` of row ``r`` is
         replaced by ``page_table[r, clamp(t, 0, W - 1)]``.
 
