@@ -23,6 +23,7 @@ attention reads (pools ``j < (pos + 1) // P`` of the request, scoring scratch ch
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import weakref
@@ -301,8 +302,7 @@ class KPoolCache:
         lengths = [b - a for a, b in bounds]
         new_ids = [r for r in request_ids if r not in self._requests]
         starts = [self._requests[r].length if r in self._requests else 0 for r in request_ids]
-        reserved = self._reserve(request_ids, new_ids, [s + n for s, n in zip(starts, lengths)])
-        try:
+        with self._reserved(request_ids, new_ids, [s + n for s, n in zip(starts, lengths)]):
             reqs = [self._requests[r] for r in request_ids]
             cu = [0] + [b for _, b in bounds]  # the packed rows start at 0 (_pack)
             table = self._table(reqs)
@@ -311,9 +311,6 @@ class KPoolCache:
             dev = self.device
             write = ("prefill", (_upload(plan.pools, dev), _upload(plan.requests, dev)), lengths)
             self._write_step(write, self.kv_cache, self.tail, key, gate, self.ape)
-        except BaseException:
-            self._unreserve(*reserved)
-            raise
         for req, a, n in zip(reqs, starts, lengths):
             req.step_start, req.step_len, req.step_kind, req.length = a, n, "prefill", a + n
         self._last_write, self._plan = write, None
@@ -344,8 +341,7 @@ class KPoolCache:
             raise ValueError(f"keys hold steps of {key.shape[1]} tokens; max_spec_tokens = {self.max_spec_tokens} "
                              f"allows {self.max_spec_tokens + 1}")
         starts = [r.length for r in reqs]
-        reserved = self._reserve(request_ids, [], [s + n for s, n in zip(starts, counts)])
-        try:
+        with self._reserved(request_ids, [], [s + n for s, n in zip(starts, counts)]):
             p, width = self.pool_size, key.shape[1]
             blocks = host_int64([r.block for r in reqs])
             table = self._table(reqs, blocks)
@@ -359,9 +355,6 @@ class KPoolCache:
             grid = _upload(torch.stack((pos, slots, tslots) * 2), self.device)
             write = ("decode", (grid[2], grid[1], grid[0]), counts)
             self._write_step(write, self.kv_cache, self.tail, key, gate, self.ape)
-        except BaseException:
-            self._unreserve(*reserved)
-            raise
         for req, a, n in zip(reqs, starts, counts):
             req.step_start, req.step_len, req.step_kind, req.length = a, n, "decode", a + n
         self._last_write, self._plan = write, None
@@ -713,6 +706,17 @@ class KPoolCache:
             self._block_pages = wider
         self._block_pages[host_int64(blocks), host_int64(cols)] = host_int64(pages)
         return new_ids, grow
+
+    @contextlib.contextmanager
+    def _reserved(self, request_ids, new_ids, new_lengths):
+        """``_reserve`` around a step's planning and write: what it reserved goes back
+        (``_unreserve``) if they raise."""
+        reserved = self._reserve(request_ids, new_ids, new_lengths)
+        try:
+            yield
+        except BaseException:
+            self._unreserve(*reserved)
+            raise
 
     def _unreserve(self, new_ids, grow) -> None:
         """Undo ``_reserve`` (a step whose write failed): its pages and ring blocks go back to the

@@ -318,14 +318,14 @@ def wide_plan(rows: int, n_cols: int, select_k: int, device, groups: int | None 
     256 x 4K, verify steps of 64 x 8K x 2: leaves of 512 in 1.3 waves of 3 capped programs per
     SM become leaves of 256 in 2.6, the tail wave's idle SMs fewer); with more heads, only where
     the split grid's ``groups`` x leaves stay within ``EXACT_WIDE_HEADS_PER_SM`` programs per SM."""
+    groups = rows if groups is None else groups
     chunk, n_chunks, filtered = plan = shaped_plan(rows, n_cols, select_k, device, groups)
     if filtered or n_chunks == 1 or chunk > topk.key_block(select_k):
         return plan
     fine, n_fine = topk.plan_leaves(rows, n_cols, select_k, device, BLOCK_POOLS, per_sm=EXACT_PROGRAMS_PER_SM)
     if not EXACT_MIN_CHUNK <= fine < chunk:
         return plan
-    if heads > EXACT_FINE_MAX_HEADS and (rows if groups is None else groups) * n_fine > \
-            EXACT_WIDE_HEADS_PER_SM * (topk._sm_count(device) or 0):
+    if heads > EXACT_FINE_MAX_HEADS and groups * n_fine > EXACT_WIDE_HEADS_PER_SM * topk._sm_count(device):
         return plan
     return fine, n_fine, False
 
