@@ -743,11 +743,12 @@ def test_capacity_and_misuse(backend):
                                          ("num_pages", 2.0), ("max_requests", 0), ("max_spec_tokens", -1),
                                          ("max_spec_tokens", True)])
 def test_constructor_arguments(name, value):
-    """Sizes must be ints (a bool is not one): the error names the argument."""
+    """Sizes must be ints (a bool is not one: ``TypeError``) in range (``ValueError``): the error
+    names the argument."""
     kwargs = dict(num_pages=2, page_size=16, pool_size=4, max_requests=1, max_spec_tokens=0,
                   ape=torch.zeros(4, 128), device="cpu")
     kwargs[name] = value
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(ValueError if type(value) is int else TypeError, match=name):
         KPoolCache(**kwargs)
 
 

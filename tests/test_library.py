@@ -117,6 +117,28 @@ def test_fakes_refuse_a_meta_tensor_among_real_ones(name):
         getattr(torch.ops.kpool, name)(*args)
 
 
+@pytest.mark.parametrize("where", ["fake", "op"])
+@pytest.mark.parametrize("name, extra, k, bad, message", [
+    ("paged_pool_topk", [], 5, 0, "select_k must be a positive int, got 0"),
+    ("paged_pool_topk", [], 5, 2**31, "select_k must be at most 2147483647, got 2147483648"),
+    ("paged_pool_topk", ["seq", P, 0], 11, 2**31, "width must be at most 2147483647"),
+    ("paged_pool_topk", ["seq", P, 0], 11, 18, r"width must be >= .* = 19, got 18"),
+    ("paged_pool_topk", ["seq", P, 0], 10, 0, "pool_size must be a positive int, got 0"),
+    ("expand_pools_and_append_tail", [], 3, 18, r"width must be >= .* = 19, got 18"),
+    ("expand_pools_and_append_tail", [], 3, 2**31, "width must be at most 2147483647"),
+    ("expand_pools_and_append_tail", [], 2, -4, "pool_size must be a positive int, got -4"),
+])
+def test_fakes_check_the_integers_that_shape_their_output(where, name, extra, k, bad, message):
+    """The integers that set an output's shape are checked by the fake (all tensors on ``meta``, as
+    under ``torch.compile``) with the op's own error, not turned into a shape the op would refuse."""
+    args = CASES[name]("cpu") + [torch.tensor([43, 161]) if a == "seq" else a for a in extra]
+    args[k] = bad
+    if where == "fake":
+        args = [a.to("meta") if torch.is_tensor(a) else a for a in args]
+    with pytest.raises(ValueError, match=message):
+        getattr(torch.ops.kpool, name)(*args)
+
+
 @pytest.mark.parametrize("width", [0, 2 * PAGE + 5])
 def test_paged_pool_topk_expands(backend, device, width):
     """``seq_lens`` / ``pool_size`` / ``width`` (the Python API's ``expand``): the same tokens as

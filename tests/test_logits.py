@@ -502,7 +502,7 @@ def test_ragged_spans_and_tiles(backend, device):
     assert_same_f32(out, want, "ragged logits vs reference")
     assert int(torch.isfinite(want).sum(1)[5]) == 0 and int(torch.isfinite(want).sum(1)[3]) == 1
     # strided windows (every other entry of a longer tensor): the same rows
-    ks2, ke2 = (torch.stack([t, t.flip(0)], 1)[:, 0].to(device) for t in (ks, ke))
+    ks2, ke2 = (torch.stack([t, t.flip(0)], 1).to(device)[:, 0] for t in (ks, ke))
     assert ks2.stride(0) == 2 and ke2.stride(0) == 2
     out = ragged_pool_logits(q.to(device), k.to(device), ksc.to(device), w.to(device), ks2, ke.to(device))
     assert_same_f32(out, want, "ragged logits, strided ks")

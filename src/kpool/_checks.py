@@ -91,16 +91,21 @@ def check_bool(name: str, value) -> None:
 MAX_SELECT = 2**31 - 1  # columns of a selection row: its ids and token positions are int32
 
 
-def check_positive_int(name: str, value, most: int | None = None) -> None:
-    """``value`` must be an int >= 1 (a bool is not an int here), and ``<= most`` if given."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+def check_int(name: str, value, least: int = 1, most: int | None = None) -> None:
+    """``value`` must be an int (a bool is not one here; ``TypeError``) in ``[least, most]``
+    (``ValueError``; no upper bound when ``most`` is None). A ``torch.SymInt`` (a fake's
+    argument traced from a shape) counts as an int; its comparisons become the graph's guards."""
+    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < least:
+        raise ValueError(f"{name} must be a positive int, got {value}" if least == 1
+                         else f"{name} must be >= {least}, got {value}")
     if most is not None and value > most:
         raise ValueError(f"{name} must be at most {most}, got {value}")
 
 
 def check_pool_size(pool_size: int, name: str = "pool_size") -> None:
-    check_positive_int(name, pool_size)
+    check_int(name, pool_size)
 
 
 MAX_SLOTS = 2**31  # cache slots (num_pages * PAGE) the writers address with 32-bit arithmetic

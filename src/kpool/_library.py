@@ -6,7 +6,8 @@ Eager code calls the plain Python functions (``kpool.kpool_compress_and_write_ca
 
 Cache writers mutate their cache arguments in place and return nothing (their fakes do
 nothing); the others return new tensors whose fakes give shapes and dtypes only. Every fake
-checks that its tensors share one device (``_one_device``). Optional
+checks that its tensors share one device (``_one_device``), and the scorer's and the
+expansion's fakes check the integers that set their output shapes as the ops do. Optional
 arguments of the Python API that select a variant are explicit here (``layout``,
 ``fp8_dtype``) so a traced graph never depends on the platform default at replay time.
 """
@@ -17,13 +18,14 @@ from typing import Optional
 
 import torch
 
+from ._checks import MAX_SELECT, check_int
 from .layout import HEAD_DIM
 from .ops.compress import kpool_compress_and_write_cache
 from .ops.decode import kpool_decode_update_and_maybe_write_cache_batched
 from .ops.prefill import write_prefill
 from .ops.quant import fwht128_quant_fp8, quantize_queries
 from .ops.score import paged_pool_topk
-from .ops.select import expand_pools_and_append_tail, natural_width
+from .ops.select import expand_pools_and_append_tail, expansion_width
 
 NAMESPACE = "kpool"
 
@@ -134,7 +136,8 @@ def _(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, layout, fp8_dty
       pool_size=1, width=0):
     _one_device("paged_pool_topk", q_fp8=q_fp8, kv_cache=kv_cache, weights=weights, pool_lens=pool_lens,
                 page_table=page_table, seq_lens=seq_lens)
-    cols = select_k if seq_lens is None else (width or natural_width(select_k, pool_size))
+    check_int("select_k", select_k, most=MAX_SELECT)
+    cols = select_k if seq_lens is None else expansion_width(select_k, pool_size, width or None)
     return q_fp8.new_empty((q_fp8.shape[0] * q_fp8.shape[1], cols), dtype=torch.int32)
 
 
@@ -147,4 +150,5 @@ def expand_and_append(pool_ids: torch.Tensor, seq_lens: torch.Tensor, pool_size:
 @expand_and_append.register_fake
 def _(pool_ids, seq_lens, pool_size, width):
     _one_device("expand_pools_and_append_tail", pool_ids=pool_ids, seq_lens=seq_lens)
+    width = expansion_width(pool_ids.shape[-1], pool_size, width)
     return pool_ids.new_empty((pool_ids.shape[0], width), dtype=torch.int32)

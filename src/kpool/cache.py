@@ -34,7 +34,7 @@ import torch
 
 from . import reference
 from ._backend import backend_for
-from ._checks import (MAX_SELECT, check_bool, check_device_type, check_page_layout, check_positive_int,
+from ._checks import (MAX_SELECT, check_bool, check_device_type, check_int, check_page_layout,
                       check_slot_count, check_tensor, int_list, own_indices)
 from .layout import ENTRY_BYTES, HEAD_DIM, cdiv, read_entries, resolve_fp8_dtype, resolve_layout, ring_size
 from .ops.decode import launch_decode_update
@@ -163,9 +163,8 @@ class KPoolCache:
             device = torch.device("cuda", torch.cuda.current_device())
         for name, value in (("num_pages", num_pages), ("page_size", page_size), ("pool_size", pool_size),
                             ("max_requests", max_requests)):
-            check_positive_int(name, value)
-        if not isinstance(max_spec_tokens, int) or isinstance(max_spec_tokens, bool) or max_spec_tokens < 0:
-            raise ValueError(f"max_spec_tokens must be a non-negative int, got {max_spec_tokens!r}")
+            check_int(name, value)
+        check_int("max_spec_tokens", max_spec_tokens, least=0)
         check_slot_count("num_pages * page_size", num_pages * page_size)  # before allocating
         layout = resolve_layout(layout, device, page_size)
         check_page_layout("page_size", page_size, layout)
@@ -311,10 +310,7 @@ class KPoolCache:
             dev = self.device
             write = ("prefill", (_upload(plan.pools, dev), _upload(plan.requests, dev)), lengths)
             self._write_step(write, self.kv_cache, self.tail, key, gate, self.ape)
-        for req, a, n in zip(reqs, starts, lengths):
-            req.step_start, req.step_len, req.step_kind, req.length = a, n, "prefill", a + n
-        self._last_write, self._plan = write, None
-        self._steps += 1
+        self._commit(reqs, starts, write)
         self.last_step = StepMetadata(
             "prefill", list(request_ids), _upload(plan.positions.to(torch.int32), dev), _upload(plan.slot_mapping, dev),
             _upload(plan.tail_slot_mapping, dev), _upload(table.to(torch.int32), dev),
@@ -355,10 +351,7 @@ class KPoolCache:
             grid = _upload(torch.stack((pos, slots, tslots) * 2), self.device)
             write = ("decode", (grid[2], grid[1], grid[0]), counts)
             self._write_step(write, self.kv_cache, self.tail, key, gate, self.ape)
-        for req, a, n in zip(reqs, starts, counts):
-            req.step_start, req.step_len, req.step_kind, req.length = a, n, "decode", a + n
-        self._last_write, self._plan = write, None
-        self._steps += 1
+        self._commit(reqs, starts, write)
         self.last_step = StepMetadata("decode", list(request_ids), grid[3].to(torch.int32), grid[4], grid[5],
                                       _upload(table.to(torch.int32), self.device))
         return self.last_step
@@ -669,6 +662,15 @@ class KPoolCache:
                              f"{len(request_ids) + 1} entries, got {cu}")
         return keys, gates, list(zip(cu, cu[1:]))
 
+    def _commit(self, reqs, starts, write) -> None:
+        """Record a written step ``write = (kind, device tables, tokens per request)``: each request's
+        last step and new length, and the write that ``write_layer`` replays on the other layers."""
+        kind, _, counts = write
+        for req, a, n in zip(reqs, starts, counts):
+            req.step_start, req.step_len, req.step_kind, req.length = a, n, kind, a + n
+        self._last_write, self._plan = write, None
+        self._steps += 1
+
     def _reserve(self, request_ids, new_ids, new_lengths) -> tuple[list, list]:
         """Check capacity for the step, then allocate ring blocks and pages (all or nothing).
         Returns what ``_unreserve`` takes back: ``(new_ids, [(id, pages held, pages added)])``."""
@@ -894,7 +896,7 @@ def score_and_select_quantized(q8, w, kv_cache, page_table, positions, *, pool_s
     -------
     int32 ``[B * n, width]`` rows as ``KPoolCache.topk_indices`` (padding rows all -1).
     """
-    check_positive_int("select_k", select_k, most=MAX_SELECT)
+    check_int("select_k", select_k, most=MAX_SELECT)
     batch, n = positions.shape
     seq, lens = counts or visible_counts(positions, pool_size)  # [B * n] tokens / complete pools each row sees
     lens = lens.view(batch, n)
@@ -922,7 +924,7 @@ def score_and_select(q, weights, kv_cache, page_table, positions, *, pool_size, 
     if q.shape[3] != HEAD_DIM:
         raise ValueError(f"q must have shape [B, n, H, {HEAD_DIM}], got {list(q.shape)}")
     check_heads("q", q.shape[2])
-    check_positive_int("pool_size", pool_size)
+    check_int("pool_size", pool_size)
     _check_index_topk(index_topk, pool_size)
     fp8_dtype = resolve_fp8_dtype(fp8_dtype, q.device)
     q8, _, w, seq, lens = quantize_queries_and_counts(q, weights, positions, pool_size, fp8_dtype=fp8_dtype,

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._checks import check_positive_int, check_tensor
+from ._checks import check_int, check_tensor
 from .cache import KPoolCache, selection_width
 from .layout import HEAD_DIM, cdiv
 from .ops.logits import check_heads
@@ -57,7 +57,7 @@ class KPoolIndexer(nn.Module):
         super().__init__()
         for name, value in (("hidden_size", hidden_size), ("q_lora_rank", q_lora_rank), ("n_heads", n_heads),
                             ("pool_size", pool_size), ("index_topk", index_topk)):
-            check_positive_int(name, value)
+            check_int(name, value)
         check_heads("n_heads", n_heads)
         selection_width(index_topk, None, pool_size)
         self.hidden_size, self.q_lora_rank, self.n_heads = hidden_size, q_lora_rank, n_heads

@@ -14,12 +14,12 @@ from typing import NamedTuple
 
 import torch
 
-from ._checks import INT_DTYPES, check_positive_int, check_ring_depth, check_tensor, int_list
+from ._checks import INT_DTYPES, check_int, check_ring_depth, check_tensor, int_list
 
 
 def _check_sizes(pool_size, page_size, ring) -> None:
     for name, value in (("pool_size", pool_size), ("page_size", page_size), ("ring", ring)):
-        check_positive_int(name, value)
+        check_int(name, value)
     if ring % pool_size:
         raise ValueError(f"ring = {ring} must be a multiple of pool_size = {pool_size} (layout.ring_size)")
 

@@ -47,7 +47,8 @@ import triton.language as tl
 
 from .. import reference
 from .._backend import backend_for, native_fp8, on_device_of, pdl_launch
-from .._checks import INT_DTYPES, check_index_ranges, check_kv_cache, check_tensor, range_checks_enabled
+from .._checks import (INT_DTYPES, check_index_ranges, check_int, check_kv_cache, check_tensor,
+                       range_checks_enabled)
 from ..layout import FP8_DTYPES, HEAD_DIM, cdiv, resolve_fp8_dtype
 from . import _jit, _jit_fp8, _pdl, topk
 from ._jit_fp8 import halves_table
@@ -451,8 +452,7 @@ def check_paged_args(q_fp8, kv_cache, weights, pool_lens, page_table, layout, fp
     covered = page_table.shape[1] * page
     if max_pools is None:
         max_pools = covered
-    if not isinstance(max_pools, int) or isinstance(max_pools, bool) or max_pools < 0:
-        raise ValueError(f"max_pools must be a non-negative int, got {max_pools!r}")
+    check_int("max_pools", max_pools, least=0)
     limit = pool_limit(max_pools, page_table, kv_cache)
     check_index_ranges([("pool_lens", pool_lens, limit + 1,
                          f"visible-pool counts allowed by min(max_pools={max_pools}, max_pages*PAGE={covered})"),

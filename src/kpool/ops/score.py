@@ -49,7 +49,7 @@ import triton.language as tl
 
 from .. import reference
 from .._backend import backend_for, on_device_of, pdl_launch, register_cap
-from .._checks import MAX_SELECT, check_positive_int
+from .._checks import MAX_SELECT, check_int
 from ..layout import cdiv, fp8_max, next_pow2
 from . import _pdl, select, topk
 from ._jit_fp8 import halves_table
@@ -468,7 +468,7 @@ def paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, *
     """
     fp8_dtype, layout, max_pools, _ = check_paged_args(q_fp8, kv_cache, weights, pool_lens, page_table, layout,
                                                        fp8_dtype, max_pools)
-    check_positive_int("select_k", select_k, most=MAX_SELECT)
+    check_int("select_k", select_k, most=MAX_SELECT)
     if expand is not None:
         expand = _check_expand(expand, q_fp8.shape[0] * q_fp8.shape[1], select_k, q_fp8.device)
     return launch_paged_pool_topk(q_fp8, kv_cache, weights, pool_lens, page_table, select_k, fp8_dtype, layout,

@@ -16,7 +16,7 @@ import triton.language as tl
 from .. import reference
 from ..layout import cdiv, next_pow2
 from .._backend import backend_for, on_device_of, pdl_launch
-from .._checks import (INT_DTYPES, MAX_SELECT, check_index_ranges, check_pool_size, check_tensor,
+from .._checks import (INT_DTYPES, MAX_SELECT, check_index_ranges, check_int, check_pool_size, check_tensor,
                        range_checks_enabled)
 from . import _pdl
 
@@ -190,16 +190,6 @@ def _inner_contiguous(t):
     return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
 
 
-def _check_int(name, value, minimum=0):
-    """An int in ``[minimum, MAX_SELECT]`` (output columns, addressed with int32 column ids)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    if value > MAX_SELECT:
-        raise ValueError(f"{name} must be at most {MAX_SELECT} (int32 output columns), got {value}")
-
-
 def _check_columns(name: str, cols: int) -> None:
     """The ``cols`` output columns an input's shape implies must fit int32 column ids."""
     if cols > MAX_SELECT:
@@ -248,18 +238,27 @@ def check_expansion(seq_lens, pool_size, width, rows: int, n_pools: int, device,
     pool ids per row (``expand_pools_and_append_tail``), and the range of ``seq_lens`` with the
     ranges ``also`` and of the optional ``pool_ids`` (one sync); returns ``width`` (None: the
     ``natural_width``)."""
-    check_pool_size(pool_size)
+    width = expansion_width(n_pools, pool_size, width)
     if pool_ids is not None:
         also = [*also, ("pool_ids", pool_ids, MAX_TOKENS // pool_size, POOL_ID_RANGE)]
     check_tensor("seq_lens", seq_lens, dtype=INT_DTYPES, shape=(rows,), device=device)
+    check_index_ranges([("seq_lens", seq_lens, MAX_TOKENS, SEQ_LEN_RANGE), *also])
+    return width
+
+
+def expansion_width(n_pools: int, pool_size: int, width) -> int:
+    """The output columns of an expansion of ``n_pools`` pool ids per row: ``width`` (None: the
+    ``natural_width``) checked against the natural width and the int32 column ids; host values
+    only (the torch.library fakes check with it too)."""
+    check_pool_size(pool_size)
     natural = natural_width(n_pools, pool_size)
     _check_columns(f"{n_pools} pools per row at pool_size {pool_size}", natural)
-    if width is not None:
-        _check_int("width", width)
-        if width < natural:
-            raise ValueError(f"width must be >= n_pools*pool_size + pool_size - 1 = {natural}, got {width}")
-    check_index_ranges([("seq_lens", seq_lens, MAX_TOKENS, SEQ_LEN_RANGE), *also])
-    return natural if width is None else width
+    if width is None:
+        return natural
+    check_int("width", width, least=0, most=MAX_SELECT)
+    if width < natural:
+        raise ValueError(f"width must be >= n_pools*pool_size + pool_size - 1 = {natural}, got {width}")
+    return width
 
 
 def _check_mapping(rows, device, page_table, topk_offsets) -> list:
@@ -538,7 +537,7 @@ def visible_counts(positions, pool_size):
 def history_group_budget_for_topk(topk, pool_size):
     """Number of pools to select so that expanding them yields ``topk`` tokens (``topk // P``)."""
     check_pool_size(pool_size)
-    _check_int("topk", topk, minimum=pool_size)
+    check_int("topk", topk, least=pool_size, most=MAX_SELECT)
     if topk % pool_size:
         raise ValueError(f"topk ({topk}) must be a multiple of pool_size ({pool_size})")
     return topk // pool_size

@@ -63,7 +63,7 @@ import triton.language as tl
 from .. import reference
 from ..layout import cdiv, next_pow2
 from .._backend import backend_for, interpreting, on_device_of, pdl_launch
-from .._checks import INT_DTYPES, MAX_SELECT, check_positive_int, check_tensor, range_checks_enabled
+from .._checks import INT_DTYPES, MAX_SELECT, check_int, check_tensor, range_checks_enabled
 from . import _pdl, select
 
 LEAF_BASE = 512  # leaves of up to max(KB, LEAF_BASE) pools (H200: 32 x 128K 329 -> 296 us vs 1,024) ...
@@ -854,7 +854,7 @@ def select_pools(logits, pool_lens, select_k):
     device = logits.device
     rows, n_cols = logits.shape
     check_tensor("pool_lens", pool_lens, dtype=INT_DTYPES, shape=(rows,), device=device)
-    check_positive_int("select_k", select_k, most=MAX_SELECT)
+    check_int("select_k", select_k, most=MAX_SELECT)
     if rows and range_checks_enabled():
         top = int(pool_lens.max())
         if top > n_cols:
