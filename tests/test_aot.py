@@ -260,7 +260,11 @@ def test_launch_options_the_launchers_use():
     caps = {(j.constexprs["P"], j.options.get("maxnreg")) for j in aot.build_jobs(targets=["sm_90"],
                                                                                   kernels=["_prefill_kernel"])}
     assert caps == {(p, prefill.MAX_REGS.get(p)) for p in (4, 16)} and prefill.MAX_REGS
-
+    # the decode walk's (one-token steps) register caps, per (P, warps), as decode_options sets them
+    caps = {(c["P"], c["NB"], j.options.get("num_warps"), j.options.get("maxnreg"))
+            for j, c in ((j, j.constexprs) for j in jobs if j.kernel == "_decode_update_kernel")}
+    assert all(cap == (decode.ONE_TOKEN_MAX_REGS.get((p, w)) if nb == 1 else None) for p, nb, w, cap in caps)
+    assert any(cap for *_, cap in caps)
 
 
 def test_decode_steps_are_the_ones_the_launcher_takes():
@@ -279,16 +283,24 @@ def test_register_caps_apply_to_cuda_only(monkeypatch):
     """The launchers' ``maxnreg`` (``_backend.register_cap``): set on CUDA targets, never on
     ROCm or the interpreter, not for a P without a cap, nor under ``KPOOL_REGISTER_CAP=0``."""
     from kpool import _backend
-    from kpool.ops import prefill, score
+    from kpool.ops import decode, prefill, score
     for target, capped in ((("cuda", 90), True), (("hip", "gfx942"), False), (("interpreter", None), False)):
         monkeypatch.setattr(_backend, "device_target", lambda device, t=target: t)
         assert score.launch_options("cpu").get("maxnreg") == (score.MAX_REGS if capped else None)
         assert prefill.launch_options("cpu", 16).get("maxnreg") == (prefill.MAX_REGS[16] if capped else None)
         assert "maxnreg" not in prefill.launch_options("cpu", 4)
+        # decode: one-token steps at P = 16 (2 warps above SMALL_BATCH requests, 4 up to it); none
+        # for verify steps or for P = 4 at 4 warps
+        for b, warps in ((decode.SMALL_BATCH + 1, 2), (1, 4)):
+            want = decode.ONE_TOKEN_MAX_REGS[16, warps] if capped else None
+            assert decode.decode_options(b, 1, 16, "cpu") == dict(num_warps=warps, **({"maxnreg": want} if want else {}))
+        assert decode.decode_options(1, 1, 4, "cpu") == dict(num_warps=4)
+        assert decode.decode_options(1 << 20, 4, 16, "cpu") == dict(num_warps=1)
         with monkeypatch.context() as m:  # KPOOL_REGISTER_CAP=0: no cap anywhere
             m.setenv(_backend.REGISTER_CAP_ENV, "0")
             assert "maxnreg" not in score.launch_options("cpu", True)
             assert "maxnreg" not in prefill.launch_options("cpu", 16)
+            assert "maxnreg" not in decode.decode_options(1 << 20, 1, 16, "cpu")
 
 
 def test_small_leaf_grids_run_uncapped(monkeypatch):

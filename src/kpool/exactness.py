@@ -246,10 +246,11 @@ def check_selection(case, device, gen, page=64):
 
 def decode_cases(p, many):
     """``(ring multiple, next_n, requests)`` of the decode checks: plain decode and a 4-token
-    verify step with many requests and with 64 (every warp count of ``decode.decode_warps``),
+    verify step, each with many requests and with 64 (every warp count of ``decode.decode_warps``
+    and register cap of ``decode.decode_options``),
     and a verify step longer than a pool (``next_n = P + 1``: two completions in one step, the
     later one from this step's own tokens) at the least ring it allows (RING = 2P = P + next_n - 1)."""
-    return ((1, 1, many), (2, 4, many), (2, 4, 64), (2, p + 1, 64), (2, p + 1, many))
+    return ((1, 1, many), (1, 1, 64), (2, 4, many), (2, 4, 64), (2, p + 1, 64), (2, p + 1, many))
 
 
 OPS = ("compress", "decode", "score", "select")

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .._backend import backend_for, native_fp8, on_device_of, pdl_launch, row_select
+from .._backend import backend_for, native_fp8, on_device_of, pdl_launch, register_cap, row_select
 from .._checks import (INT_DTYPES, check_bool, check_head_dim, check_index_ranges, check_kv_cache,
                        check_pool_size, check_ring_depth, check_tail, check_tensor, row_blocks)
 from ..layout import HEAD_DIM, cdiv, fp8_max, next_pow2, resolve_fp8_dtype
@@ -38,6 +38,21 @@ def decode_warps(num_req: int, next_n: int) -> int:
     if num_req <= SMALL_BATCH:
         return 4
     return 1 if next_n > 1 else 2
+
+
+# Register caps of one-token steps (the in-order walk), by (P, warps per program). H100 A/B of
+# the uncapped walk (triton 3.6) / capped, us (benchmarks/LOG.md, 62nd): P = 16 B = 1 / 64 / 256 /
+# 1,024: 1.00 / 2.37 / 3.04 / 4.44 -> 0.96 / 1.93 / 2.37 / 3.40; P = 4 B = 1,024 2.85 -> 2.79, but
+# P = 4 at 4 warps (B <= 256) 1.5-3% slower capped: no cap there.
+ONE_TOKEN_MAX_REGS = {(4, 2): 128, (16, 2): 128, (16, 4): 96}
+
+
+def decode_options(num_req: int, next_n: int, pool_size: int, device) -> dict:
+    """Compile options of a step's launch: ``decode_warps`` and, for one-token steps, the
+    ``ONE_TOKEN_MAX_REGS`` cap (CUDA only)."""
+    warps = decode_warps(num_req, next_n)
+    cap = ONE_TOKEN_MAX_REGS.get((pool_size, warps)) if next_n == 1 else None
+    return dict(num_warps=warps, **register_cap(device, cap))
 
 
 def step_tiles(next_n: int, pool_size: int) -> dict:
@@ -245,6 +260,6 @@ def launch_decode_update(kv_cache, tail, tail_slots, key, gate, ape, slot_mappin
         PRESHUFFLE=layout == "preshuffle", FP8_MAX=fp8_max(fp8_dtype), FNUZ=fp8_dtype == torch.float8_e4m3fnuz,
         ROUND_SCALE=round_scale, NATIVE_FP8=native_fp8(device, fp8_dtype),
         **step_tiles(next_n, pool_size), ROW_SELECT=row_select(),
-        num_warps=decode_warps(num_req, next_n), **pdl_launch(device),
+        **decode_options(num_req, next_n, pool_size, device), **pdl_launch(device),
         enable_fp_fusion=False,
     )
