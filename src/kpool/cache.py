@@ -81,7 +81,7 @@ class StepMetadata:
     pool_locs: torch.Tensor | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class _Request:
     block: int
     pages: list = field(default_factory=list)
@@ -237,7 +237,7 @@ class KPoolCache:
 
     def page_table(self, request_ids) -> torch.Tensor:
         """int32 ``[R, max_pages]`` pages of each request (pool granularity, -1 padded)."""
-        return self._device_table([self._get(r) for r in request_ids])
+        return self._device_table(self._get_all(request_ids))
 
     def _device_table(self, reqs) -> torch.Tensor:
         """``_table(reqs)`` as int32 on the cache's device."""
@@ -271,7 +271,7 @@ class KPoolCache:
         if len(num_accepted) != len(request_ids):
             raise ValueError(f"num_accepted has {len(num_accepted)} entries for {len(request_ids)} request_ids")
         _check_distinct(request_ids, "an accept")
-        reqs = [self._get(r) for r in request_ids]
+        reqs = self._get_all(request_ids)
         for rid, req, n in zip(request_ids, reqs, num_accepted):
             if req.step_kind == "decode" and 0 <= n <= req.step_len:
                 continue
@@ -327,7 +327,7 @@ class KPoolCache:
         _check_unchanged(self._buffers(), self._owned, "the cache allocated it")
         key, gate, counts = self._step_rows(request_ids, keys, gates)
         _check_distinct(request_ids, "a step")
-        reqs = [self._get(r) for r in request_ids]
+        reqs = self._get_all(request_ids)
         if max(counts, default=0) > self.max_spec_tokens + 1:
             rid, n = next((r, n) for r, n in zip(request_ids, counts) if n > self.max_spec_tokens + 1)
             raise ValueError(f"request {rid!r} sends {n} tokens in one step; max_spec_tokens = "
@@ -525,7 +525,7 @@ class KPoolCache:
         if self._plan is not None and self._plan.key == key:
             return self._plan
         _check_distinct(request_ids, "topk_indices")
-        reqs = [self._get(r) for r in request_ids]
+        reqs = self._get_all(request_ids)
         counts = [r.step_len for r in reqs]
         p = self.pool_size
         short, items, row = [], [], 0  # short: (row0, pos0, n) runs selected by identity; items: long runs
@@ -603,6 +603,15 @@ class KPoolCache:
             return self._requests[request_id]
         except (KeyError, TypeError):
             raise KeyError(f"unknown or freed request id {request_id!r}") from None
+
+    def _get_all(self, request_ids) -> list:
+        """``[_get(r) for r in request_ids]`` in one comprehension; an unknown id raises as ``_get``."""
+        try:
+            return [self._requests[r] for r in request_ids]
+        except (KeyError, TypeError):
+            for r in request_ids:
+                self._get(r)
+            raise
 
     def _step_rows(self, request_ids, keys, gates):
         """A decode step's ``keys`` / ``gates`` (bf16 ``[B, next_n, 128]``, or lists of ``[n_i, 128]``,
@@ -684,8 +693,8 @@ class KPoolCache:
         for rid, length in zip(request_ids, new_lengths):
             req = get(rid)
             have = len(req.pages) if req is not None else 0
-            n = cdiv(length // p, page) - have
-            if n > 0:
+            if length >= (have * page + 1) * p:  # a complete pool past the held pages
+                n = cdiv(length // p, page) - have
                 grow.append((rid, have, n))
                 total += n
         if total > len(self._free_pages):
