@@ -189,3 +189,18 @@ def test_decode_slot_mappings_compiles_whole(device):
     got, want = compiled(pos, blocks, table, P, PAGE, 8), decode_slot_mappings(pos, blocks, table, P, PAGE, 8)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert want[0].tolist() == [[4 * PAGE + 15, -1, -1, -1], [7 * PAGE, -1, -1, -1], [-1, 5 * PAGE, -1, -1]]
+
+
+def test_dynamic_shapes_give_the_fakes_symbolic_ints(device):
+    """Under ``torch.compile(dynamic=True)`` an integer taken from a shape reaches the fake as a
+    ``torch.SymInt``: its checks (``_checks.check_int``) take it as an int, one graph serves every
+    width, the same tokens as eager."""
+    def expand(ids, seq):
+        return torch.ops.kpool.expand_pools_and_append_tail(ids, seq, P, ids.shape[1] * P + P + 5)
+
+    compiled = torch.compile(expand, backend="aot_eager", dynamic=True, fullgraph=True)
+    seq = torch.tensor([40, 50, 61]).to(device)
+    for n_pools in (3, 6, 9):
+        ids = (torch.arange(3 * n_pools, dtype=torch.int32).view(3, n_pools) % 7).to(device)
+        got, want = compiled(ids, seq), expand(ids, seq)
+        assert got.shape == (3, n_pools * P + P + 5) and torch.equal(got.cpu(), want.cpu())
