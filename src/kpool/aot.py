@@ -243,10 +243,15 @@ def _decode_specs(m):
         cross=(decode_step_axis(), layout_axis(), fp8_axis("FP8_MAX", "FNUZ")),
         cycle=(flag("ROUND_SCALE"), _PAGE, int_ptr_axis("ts_ptr", "loc_ptr", "pos_ptr"),
                axis("_opt_num_warps", sorted({m.decode_warps(b, n) for b in (1, 1 << 20) for n in (1, 4)}))),
-        derive=lambda c: dict(NC=m.step_tiles(c["NB"], c["P"])["NC"],  # as the launcher (decode_options)
-                              **({"_opt_maxnreg": m.ONE_TOKEN_MAX_REGS[c["P"], c["_opt_num_warps"]]}
-                                 if c["NB"] == 1 and (c["P"], c["_opt_num_warps"]) in m.ONE_TOKEN_MAX_REGS else {})),
-        target_derive=ring_writer_params, options=dict(enable_fp_fusion=False))}
+        derive=lambda c: _decode_derive(m, c), target_derive=ring_writer_params,
+        options=dict(enable_fp_fusion=False))}
+
+
+def _decode_derive(m, c):
+    """NC and the register cap of a decode job, as the launcher sets them (``decode_options``;
+    NB = 1 exactly for one-token steps)."""
+    cap = m.step_max_regs(c["NB"], c["P"], c["_opt_num_warps"])
+    return dict(NC=m.step_tiles(c["NB"], c["P"])["NC"], **({"_opt_maxnreg": cap} if cap else {}))
 
 
 def _tail_specs(m):

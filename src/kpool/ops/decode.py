@@ -47,12 +47,15 @@ def decode_warps(num_req: int, next_n: int) -> int:
 ONE_TOKEN_MAX_REGS = {(4, 2): 128, (16, 2): 128, (16, 4): 96}
 
 
+def step_max_regs(next_n: int, pool_size: int, warps: int) -> int | None:
+    """Register cap of a step's program: ``ONE_TOKEN_MAX_REGS`` for one-token steps, else None."""
+    return ONE_TOKEN_MAX_REGS.get((pool_size, warps)) if next_n == 1 else None
+
+
 def decode_options(num_req: int, next_n: int, pool_size: int, device) -> dict:
-    """Compile options of a step's launch: ``decode_warps`` and, for one-token steps, the
-    ``ONE_TOKEN_MAX_REGS`` cap (CUDA only)."""
+    """Compile options of a step's launch: ``decode_warps`` and ``step_max_regs`` (CUDA only)."""
     warps = decode_warps(num_req, next_n)
-    cap = ONE_TOKEN_MAX_REGS.get((pool_size, warps)) if next_n == 1 else None
-    return dict(num_warps=warps, **register_cap(device, cap))
+    return dict(num_warps=warps, **register_cap(device, step_max_regs(next_n, pool_size, warps)))
 
 
 def step_tiles(next_n: int, pool_size: int) -> dict:
