@@ -593,8 +593,11 @@ def test_score_and_select_validation(monkeypatch, backend):
         score_and_select(q[:, :, :8], w[:, :, :8], kv, pt, pos, pool_size=4, index_topk=16)
     with pytest.raises(ValueError, match="pool_size must be a positive int"):
         score_and_select(q, w, kv, pt, pos, pool_size=0, index_topk=16)
-    for bad in (2, 10, 16.0):
+    for bad in (2, 10):
         with pytest.raises(ValueError, match=f"index_topk must be a positive multiple of pool_size = 4, got {bad}"):
+            score_and_select(q, w, kv, pt, pos, pool_size=4, index_topk=bad)
+    for bad in (16.0, True):
+        with pytest.raises(TypeError, match="index_topk must be an int"):
             score_and_select(q, w, kv, pt, pos, pool_size=4, index_topk=bad)
 
 
@@ -629,10 +632,15 @@ def test_topk_indices_validation(monkeypatch):
     for bad in (3, 10):  # below one pool; not whole pools
         with pytest.raises(ValueError, match="index_topk must be a positive multiple"):
             c.topk_indices(["a", "b"], q, w, index_topk=bad)
-    with pytest.raises(ValueError, match="width"):
+    with pytest.raises(ValueError, match=r"width must be >= index_topk \+ pool_size - 1 = 19, got 18"):
         c.topk_indices(["a", "b"], q, w, index_topk=16, width=18)
-    with pytest.raises(ValueError, match=r"width must be an int in \[index_topk \+ pool_size - 1 = 19, 2147483647\]"):
+    with pytest.raises(ValueError, match="width must be at most 2147483647"):
         c.topk_indices(["a", "b"], q, w, index_topk=16, width=2**31)
+    for bad in (19.0, False):
+        with pytest.raises(TypeError, match="width must be an int"):
+            c.topk_indices(["a", "b"], q, w, index_topk=16, width=bad)
+    with pytest.raises(TypeError, match="index_topk must be an int"):
+        c.topk_indices(["a", "b"], q, w, index_topk=16.0)
     with pytest.raises(ValueError, match="index_topk \\+ pool_size - 1 must be at most 2147483647"):
         c.topk_indices(["a", "b"], q, w, index_topk=2**31)  # whole pools, too wide for int32 positions
     empty = c.topk_indices([], q[:0], w[:0], index_topk=16)
@@ -856,10 +864,10 @@ def test_indexer_end_to_end_prefill_and_decode(backend):
             ["x"], hd[:1], qd[:1], mode="decode")
     # a bad width is rejected before the step is written: buffers and request state unchanged
     kv, tail, length = cache.kv_cache.clone(), cache.tail.clone(), cache.length("x")
-    for width in (5, 32.0):
-        with pytest.raises(ValueError, match="width"):
+    for width, error in ((5, ValueError), (32.0, TypeError)):
+        with pytest.raises(error, match="width"):
             mod(cache, ["y", "x"], hd, qd, mode="decode", width=width)
-        with pytest.raises(ValueError, match="width"):
+        with pytest.raises(error, match="width"):
             mod(cache, ["z"], h[:9], qr[:9], mode="prefill", width=width)
     assert torch.equal(cache.kv_cache, kv) and torch.equal(cache.tail, tail)
     assert cache.length("x") == length and "z" not in cache.requests

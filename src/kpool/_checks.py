@@ -91,13 +91,14 @@ def check_bool(name: str, value) -> None:
 MAX_SELECT = 2**31 - 1  # columns of a selection row: its ids and token positions are int32
 
 
-def check_int(name: str, value, least: int = 1, most: int | None = None) -> None:
+def check_int(name: str, value, least: int | None = 1, most: int | None = None) -> None:
     """``value`` must be an int (a bool is not one here; ``TypeError``) in ``[least, most]``
-    (``ValueError``; no upper bound when ``most`` is None). A ``torch.SymInt`` (a fake's
-    argument traced from a shape) counts as an int; its comparisons become the graph's guards."""
+    (``ValueError``; no bound where None: the caller checks the range itself). A
+    ``torch.SymInt`` (a fake's argument traced from a shape) counts as an int; its comparisons
+    become the graph's guards."""
     if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < least:
+    if least is not None and value < least:
         raise ValueError(f"{name} must be a positive int, got {value}" if least == 1
                          else f"{name} must be >= {least}, got {value}")
     if most is not None and value > most:

@@ -864,17 +864,17 @@ def selection_width(index_topk, width, pool_size: int) -> int:
     natural = index_topk + pool_size - 1
     if width is None:
         return natural
-    if not isinstance(width, int) or isinstance(width, bool) or not natural <= width <= MAX_SELECT:
-        raise ValueError(f"width must be an int in [index_topk + pool_size - 1 = {natural}, {MAX_SELECT}], "
-                         f"got {width!r}")
+    check_int("width", width, least=0, most=MAX_SELECT)
+    if width < natural:
+        raise ValueError(f"width must be >= index_topk + pool_size - 1 = {natural}, got {width}")
     return width
 
 
 def _check_index_topk(index_topk, pool_size: int) -> None:
     """``index_topk`` must be a positive int multiple of P (``select_k = index_topk // P >= 1``
     whole pools, as ``history_group_budget_for_topk``)."""
-    if not isinstance(index_topk, int) or isinstance(index_topk, bool) or index_topk < pool_size \
-            or index_topk % pool_size:
+    check_int("index_topk", index_topk, least=None)
+    if index_topk < pool_size or index_topk % pool_size:
         raise ValueError(f"index_topk must be a positive multiple of pool_size = {pool_size}, got {index_topk!r}")
     if index_topk + pool_size - 1 > MAX_SELECT:
         raise ValueError(f"index_topk + pool_size - 1 must be at most {MAX_SELECT} (int32 token positions), "
