@@ -574,6 +574,36 @@ def test_consecutive_positions_in_two_blocks(backend, device):
     assert torch.equal(tail[1, 0, 8 % ring].cpu(), sc.keys[1, 8]) and torch.equal(tail[1, 0, 9 % ring].cpu(), sc.keys[1, 9])
 
 
+@pytest.mark.parametrize("P", [4, 16])
+def test_index_tensors_rewritten_in_place_before_every_step(P, backend, device, monkeypatch):
+    """Twelve back-to-back steps of 24 requests whose index tensors (positions, tail and pool
+    slots, int32) and rows are ONE set of buffers, rewritten by a torch op right before each
+    launch, with no host sync between steps (``KPOOL_CHECK=0``): under PDL the decode update
+    loads its step's metadata before it waits for the previous kernel (``ops/decode.py``), which
+    is sound because a non-PDL kernel (the rewrite) lets the next one launch only at its exit.
+    Each request sends 0-4 tokens a step; the whole buffers equal the oracle's after the last step."""
+    monkeypatch.setenv("KPOOL_CHECK", "0")
+    n_req, next_n = 24, 4
+    sc = Sched(device, 60 + P, P, L.ring_size(P, next_n - 1), 64, "plain", FN, n_req, max_pos=2 * P + 12 * next_n)
+    for r in range(n_req):
+        sc.start(r, sc.rng.randrange(2 * P))
+    steps = [sc.step([list(range(sc.rng.randrange(next_n + 1))) for _ in range(n_req)], next_n)
+             for _ in range(12)]
+    meta = {name: torch.empty(steps[0][name].shape, dtype=torch.int32, device=device) for name in ("ts", "loc", "pos")}
+    rows = {name: torch.empty_like(steps[0][name]) for name in ("key", "gate")}
+    kv, tail = sc.kv(sc.lib_kv_base), sc.tail(sc.lib_tail_base)
+    for a in steps:
+        for name, buf in (*meta.items(), *rows.items()):
+            torch.add(a[name], 0, out=buf)
+        decode_update(kv, tail, meta["ts"], rows["key"], rows["gate"], sc.ape, meta["loc"], meta["pos"], P,
+                      layout=sc.layout, fp8_dtype=sc.fp8)
+    for a in steps:
+        oracle_decode(sc.kv(sc.ora_kv_base), sc.tail(sc.ora_tail_base), a["ts"], a["key"], a["gate"], sc.ape,
+                      a["loc"], a["pos"], P, sc.fp8, sc.layout)
+    assert sum(int((a["pos"] >= 0).sum()) for a in steps) > 12 * n_req  # steps of several tokens on average
+    sc.check("after twelve steps from rewritten buffers")
+
+
 def test_determinism(backend, device):
     """The same step twice from the same buffers: identical bytes."""
     outs = []

@@ -11,6 +11,12 @@ ring slots that no earlier token of the step has overwritten, so all completions
 step are one ``[NC, 128]`` tile of ``pool_vector`` reading rows and ring together, then a
 barrier, then every token that stays in the ring is stashed at once. Any other step takes
 the in-order walk (``_in_order_step``), which gives the same bytes for any input.
+
+Under PDL (``_pdl``) a program loads its step's metadata (``positions``, ``tail_slot_mapping``,
+``slot_mapping``) *before* it waits for the previous kernel in the stream, so that the round trip
+overlaps that kernel's run; everything else (rows, ring, ``ape``, every store) follows the wait.
+The index tensors of a step must therefore be written before the kernel launched just before
+this one (engines fill them at the step's start: host copies, torch ops), not by it.
 """
 
 from __future__ import annotations
@@ -65,38 +71,46 @@ def step_tiles(next_n: int, pool_size: int) -> dict:
 
 
 @triton.jit
-def _load_token(key_ptr, key_row, g_ptr, g_row, ts_ptr, ts_off, loc_ptr, loc_off, pos_ptr, pos_off, ok, d):
-    # Token rows (bf16 [128]) and metadata (tail slot, pool slot, position) of one step row;
-    # a row not ``ok`` reads as padding (-1). The row mask is built as a vector: the
-    # interpreter (triton 3.9) mis-broadcasts a scalar condition used as a vector mask.
-    rows = d < tl.where(ok, 128, 0)
-    k = tl.load(key_ptr + key_row + d, mask=rows, other=0.0)
-    g = tl.load(g_ptr + g_row + d, mask=rows, other=0.0)
+def _load_meta(ts_ptr, ts_off, loc_ptr, loc_off, pos_ptr, pos_off, ok):
+    # Metadata of one step row (tail slot, pool slot, position); a row not ``ok`` reads as padding (-1).
     ts = tl.load(ts_ptr + ts_off, mask=ok, other=-1).to(tl.int64)
     loc = tl.load(loc_ptr + loc_off, mask=ok, other=-1).to(tl.int64)
     pos = tl.load(pos_ptr + pos_off, mask=ok, other=-1).to(tl.int64)
-    return k, g, ts, loc, pos
+    return ts, loc, pos
+
+
+@triton.jit
+def _load_rows(key_ptr, key_row, g_ptr, g_row, ok, d):
+    # Key and gate rows (bf16 [128]) of one step row; zeros where not ``ok``. The row mask is
+    # built as a vector: the interpreter (triton 3.9) mis-broadcasts a scalar condition used as
+    # a vector mask.
+    rows = d < tl.where(ok, 128, 0)
+    k = tl.load(key_ptr + key_row + d, mask=rows, other=0.0)
+    g = tl.load(g_ptr + g_row + d, mask=rows, other=0.0)
+    return k, g
 
 
 @triton.jit
 def _in_order_step(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_block_stride, tail_head,
                    num_ring_slots, key_ptr, key_sb, key_st, g_ptr, g_sb, g_st, ape_ptr, ape_stride,
                    ts_ptr, ts_sb, ts_st, loc_ptr, loc_sb, loc_st, pos_ptr, pos_sb, pos_st, next_n, b, d,
+                   ts, loc, pos,
                    P: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr, PRESHUFFLE: tl.constexpr,
                    FP8_MAX: tl.constexpr, FNUZ: tl.constexpr, ROUND_SCALE: tl.constexpr,
                    NATIVE_FP8: tl.constexpr, ROW_SELECT: tl.constexpr):
-    # Request b's tokens one at a time; token j + 1's metadata and rows are loaded before
-    # token j writes the ring (software pipelining); a barrier after each token's ring writes.
+    # Request b's tokens one at a time (``ts``, ``loc``, ``pos``: token 0's metadata, loaded by
+    # the caller); token j + 1's metadata and rows are loaded before token j writes the ring
+    # (software pipelining); a barrier after each token's ring writes.
     one = tl.zeros((1,), tl.int64)  # [1] vectors: the pool helpers work on tiles of BN = 1 pools
-    k, g, ts, loc, pos = _load_token(key_ptr, b * key_sb, g_ptr, b * g_sb, ts_ptr, b * ts_sb, loc_ptr, b * loc_sb,
-                                     pos_ptr, b * pos_sb, next_n > 0, d)
+    k, g = _load_rows(key_ptr, b * key_sb, g_ptr, b * g_sb, next_n > 0, d)
     for j in range(0, next_n):
         key_row = b * key_sb + j * key_st
         g_row = b * g_sb + j * g_st
         nj = j + 1
-        k1, g1, ts1, loc1, pos1 = _load_token(key_ptr, key_row + key_st, g_ptr, g_row + g_st,
-                                              ts_ptr, b * ts_sb + nj * ts_st, loc_ptr, b * loc_sb + nj * loc_st,
-                                              pos_ptr, b * pos_sb + nj * pos_st, nj < next_n, d)
+        ok1 = nj < next_n
+        k1, g1 = _load_rows(key_ptr, key_row + key_st, g_ptr, g_row + g_st, ok1, d)
+        ts1, loc1, pos1 = _load_meta(ts_ptr, b * ts_sb + nj * ts_st, loc_ptr, b * loc_sb + nj * loc_st,
+                                     pos_ptr, b * pos_sb + nj * pos_st, ok1)
         stash = (pos >= 0) & (ts >= 0) & (ts < num_ring_slots)
         ring_off = (tl.where(stash, ts, 0) // RING) * tail_block_stride
         if stash & (pos % P == P - 1) & (loc >= 0) & (loc < num_slots):
@@ -125,22 +139,24 @@ def _decode_update_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
                           ROUND_SCALE: tl.constexpr, NATIVE_FP8: tl.constexpr,
                           NB: tl.constexpr, NC: tl.constexpr, ROW_SELECT: tl.constexpr, PDL: tl.constexpr):
     # NB >= next_n (a power of two), NC >= cdiv(next_n, P): the most completions in one step.
-    _pdl.grid_dependency_sync(PDL)
+    # The step's metadata is loaded before the PDL wait (module doc): its round trip overlaps
+    # the previous kernel's run instead of preceding the ring reads that depend on it.
     b = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, 128)
+    ts0, loc0, pos0 = _load_meta(ts_ptr, b * ts_sb, loc_ptr, b * loc_sb, pos_ptr, b * pos_sb, next_n > 0)
     if NB == 1:  # one token: the walk is the step
+        _pdl.grid_dependency_sync(PDL)
         _in_order_step(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_block_stride, tail_head,
                        num_ring_slots, key_ptr, key_sb, key_st, g_ptr, g_sb, g_st, ape_ptr, ape_stride,
                        ts_ptr, ts_sb, ts_st, loc_ptr, loc_sb, loc_st, pos_ptr, pos_sb, pos_st, next_n, b, d,
-                       P, RING, PAGE, PRESHUFFLE, FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8, ROW_SELECT)
+                       ts0, loc0, pos0, P, RING, PAGE, PRESHUFFLE, FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8, ROW_SELECT)
         return
     j = tl.arange(0, NB)
     in_step = j < next_n
-    pos = tl.load(pos_ptr + b * pos_sb + j * pos_st, mask=in_step, other=-1).to(tl.int64)
-    ts = tl.load(ts_ptr + b * ts_sb + j * ts_st, mask=in_step, other=-1).to(tl.int64)
-    loc = tl.load(loc_ptr + b * loc_sb + j * loc_st, mask=in_step, other=-1).to(tl.int64)
-    pos0 = tl.load(pos_ptr + b * pos_sb).to(tl.int64)
-    block = tl.load(ts_ptr + b * ts_sb).to(tl.int64) // RING
+    ts, loc, pos = _load_meta(ts_ptr, b * ts_sb + j * ts_st, loc_ptr, b * loc_sb + j * loc_st,
+                              pos_ptr, b * pos_sb + j * pos_st, in_step)
+    _pdl.grid_dependency_sync(PDL)
+    block = ts0 // RING
     rows = in_step[:, None] & (d[None, :] < 128)
     k = tl.load(key_ptr + b * key_sb + j[:, None] * key_st + d[None, :], mask=rows, other=0.0)
     g = tl.load(g_ptr + b * g_sb + j[:, None] * g_st + d[None, :], mask=rows, other=0.0)
@@ -172,7 +188,7 @@ def _decode_update_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
         _in_order_step(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_block_stride, tail_head,
                        num_ring_slots, key_ptr, key_sb, key_st, g_ptr, g_sb, g_st, ape_ptr, ape_stride,
                        ts_ptr, ts_sb, ts_st, loc_ptr, loc_sb, loc_st, pos_ptr, pos_sb, pos_st, next_n, b, d,
-                       P, RING, PAGE, PRESHUFFLE, FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8, ROW_SELECT)
+                       ts0, loc0, pos0, P, RING, PAGE, PRESHUFFLE, FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8, ROW_SELECT)
 
 
 def kpool_decode_update_and_maybe_write_cache_batched(kv_cache, tail_kv_cache, tail_slot_mapping, key, slot_score,
@@ -199,6 +215,10 @@ def kpool_decode_update_and_maybe_write_cache_batched(kv_cache, tail_kv_cache, t
     positions : int32/int64 ``[B, next_n]`` token positions, -1 = padding.
     pool_size : P.
     layout, fp8_dtype : as in ``kpool_compress_and_write_cache``.
+
+    Under PDL (CUDA sm_90+, ``KPOOL_PDL``) the kernel loads ``positions``, ``tail_slot_mapping``
+    and ``slot_mapping`` before it waits for the previous kernel in the stream: they must not be
+    written by the kernel launched just before it (``key`` / ``slot_score`` may be).
     """
     check_head_dim(head_dim)
     check_bool("round_scale", round_scale)
