@@ -8,7 +8,9 @@ the seed documents).
 
 * ``ours``: the smallest ring ours accepts for the step, ``layout.ring_size(P, next_n - 1)``
   (``RING >= P + next_n - 1`` keeps the entries a redo after rejected drafts needs): RING = P
-  at next_n = 1, 2P at next_n = 2 and 4 (P = 4 and 16).
+  at next_n = 1, 2P at next_n = 2 and 4 (P = 4 and 16). ``metadata_ready=True``: the step's
+  index tensors are built before timing, as an engine builds them at the step's start (and
+  ``KPoolCache`` passes it); under PDL the kernel loads them before its wait.
 * ``seed``: RING = P at every next_n (the seed's kernel requires ``tail.shape[2] == P``).
 * ``ours_ring2P``: ours with RING = 2P (room for speculative drafts; what ``KPoolCache``
   allocates for up to P drafts); compared with the seed at RING = P. Run only where it differs
@@ -150,7 +152,8 @@ def bench(ctx, case, impl):
     ring = {"ours_ring2P": 2 * p, "seed": p}.get(impl, ring_size(p, nn - 1))
     if impl in ("ours", "ours_ring2P"):
         def fn(*a):
-            kpool.kpool_decode_update_and_maybe_write_cache_batched(*a, p, layout="plain", fp8_dtype=FP8)
+            kpool.kpool_decode_update_and_maybe_write_cache_batched(*a, p, layout="plain", fp8_dtype=FP8,
+                                                                    metadata_ready=True)
     elif impl == "seed":
         seed = ctx.require_seed()
 

@@ -574,13 +574,15 @@ def test_consecutive_positions_in_two_blocks(backend, device):
     assert torch.equal(tail[1, 0, 8 % ring].cpu(), sc.keys[1, 8]) and torch.equal(tail[1, 0, 9 % ring].cpu(), sc.keys[1, 9])
 
 
+@pytest.mark.parametrize("metadata_ready", [False, True])
 @pytest.mark.parametrize("P", [4, 16])
-def test_index_tensors_rewritten_in_place_before_every_step(P, backend, device, monkeypatch):
+def test_index_tensors_rewritten_in_place_before_every_step(P, metadata_ready, backend, device, monkeypatch):
     """Twelve back-to-back steps of 24 requests whose index tensors (positions, tail and pool
-    slots, int32) and rows are ONE set of buffers, rewritten by a torch op right before each
-    launch, with no host sync between steps (``KPOOL_CHECK=0``): under PDL the decode update
-    loads its step's metadata before it waits for the previous kernel (``ops/decode.py``), which
-    is sound because a non-PDL kernel (the rewrite) lets the next one launch only at its exit.
+    slots, int32) and rows are ONE set of buffers, rewritten by torch ops before each launch,
+    with no host sync between steps (``KPOOL_CHECK=0``). By default the index tensors are
+    rewritten last, by the kernel just before the update, which under PDL waits for it before
+    its first load; with ``metadata_ready`` (the kernel loads them before that wait,
+    ``ops/decode.py``) they are rewritten first and the rows last, as the contract allows.
     Each request sends 0-4 tokens a step; the whole buffers equal the oracle's after the last step."""
     monkeypatch.setenv("KPOOL_CHECK", "0")
     n_req, next_n = 24, 4
@@ -591,12 +593,13 @@ def test_index_tensors_rewritten_in_place_before_every_step(P, backend, device, 
              for _ in range(12)]
     meta = {name: torch.empty(steps[0][name].shape, dtype=torch.int32, device=device) for name in ("ts", "loc", "pos")}
     rows = {name: torch.empty_like(steps[0][name]) for name in ("key", "gate")}
+    order = (*meta.items(), *rows.items()) if metadata_ready else (*rows.items(), *meta.items())
     kv, tail = sc.kv(sc.lib_kv_base), sc.tail(sc.lib_tail_base)
     for a in steps:
-        for name, buf in (*meta.items(), *rows.items()):
+        for name, buf in order:
             torch.add(a[name], 0, out=buf)
         decode_update(kv, tail, meta["ts"], rows["key"], rows["gate"], sc.ape, meta["loc"], meta["pos"], P,
-                      layout=sc.layout, fp8_dtype=sc.fp8)
+                      layout=sc.layout, fp8_dtype=sc.fp8, metadata_ready=metadata_ready)
     for a in steps:
         oracle_decode(sc.kv(sc.ora_kv_base), sc.tail(sc.ora_tail_base), a["ts"], a["key"], a["gate"], sc.ape,
                       a["loc"], a["pos"], P, sc.fp8, sc.layout)
@@ -718,6 +721,7 @@ BAD = [
     ("pool_size", lambda a, dv: {"pool_size": 0}, ValueError, "pool_size"),
     ("layout", lambda a, dv: {"layout": "shuffled"}, ValueError, "layout"),
     ("fp8_dtype", lambda a, dv: {"fp8_dtype": torch.float16}, TypeError, "fp8_dtype"),
+    ("metadata_ready", lambda a, dv: {"metadata_ready": 1}, TypeError, "metadata_ready"),
 ]
 
 

@@ -76,3 +76,17 @@ def test_bad_arguments_are_named():
     for target in ("gfx942", "sm_75"):
         out = run_tool("_paged_topk_kernel", "--target", target)
         assert out.returncode != 0 and "NVIDIA" in out.stderr and target in out.stderr
+
+
+@pytest.mark.parametrize("nb", [1, 4])
+@pytest.mark.parametrize("meta_first", [False, True])
+def test_decode_metadata_loads_before_the_pdl_wait_only_when_ready(nb, meta_first, tmp_path):
+    """``metadata_ready`` (``META_FIRST``): the step's index loads (positions, tail and pool
+    slots: 3 for token 0, 3 more for the step's tile at NB > 1) are issued before
+    ``griddepcontrol.wait`` (SASS ``ACQBULK``); without it no load precedes the wait."""
+    out = run_tool("_decode_update_kernel", "--match", f"P=4,NB={nb}",
+                   "--set", f"META_FIRST={meta_first},PDL=True", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-2000:]
+    listing = (tmp_path / "_decode_update_kernel.sass").read_text()
+    before_wait = listing[:listing.index("ACQBULK")]
+    assert before_wait.count("LDG") == ((6 if nb > 1 else 3) if meta_first else 0), before_wait[-3000:]

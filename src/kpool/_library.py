@@ -59,16 +59,17 @@ def _(kv_cache, slot_k, slot_score, ape, loc, pool_size, round_scale, layout, fp
 def decode_update(kv_cache: torch.Tensor, tail_kv_cache: torch.Tensor, tail_slot_mapping: torch.Tensor,
                   key: torch.Tensor, slot_score: torch.Tensor, ape: torch.Tensor, slot_mapping: torch.Tensor,
                   positions: torch.Tensor, pool_size: int, round_scale: bool, layout: str,
-                  fp8_dtype: torch.dtype) -> None:
+                  fp8_dtype: torch.dtype, metadata_ready: bool = False) -> None:
     """``kpool_decode_update_and_maybe_write_cache_batched`` (in place on both caches)."""
     kpool_decode_update_and_maybe_write_cache_batched(kv_cache, tail_kv_cache, tail_slot_mapping, key, slot_score,
                                                       ape, slot_mapping, positions, pool_size,
-                                                      round_scale=round_scale, layout=layout, fp8_dtype=fp8_dtype)
+                                                      round_scale=round_scale, layout=layout, fp8_dtype=fp8_dtype,
+                                                      metadata_ready=metadata_ready)
 
 
 @decode_update.register_fake
 def _(kv_cache, tail_kv_cache, tail_slot_mapping, key, slot_score, ape, slot_mapping, positions, pool_size,
-      round_scale, layout, fp8_dtype):
+      round_scale, layout, fp8_dtype, metadata_ready=False):
     _one_device("decode_update", kv_cache=kv_cache, tail_kv_cache=tail_kv_cache, tail_slot_mapping=tail_slot_mapping,
                 key=key, slot_score=slot_score, ape=ape, slot_mapping=slot_mapping, positions=positions)
     return None

@@ -433,9 +433,10 @@ class KPoolCache:
             launch_prefill(kv_cache, tail, key, gate, ape, pools, requests, self.pool_size, self.layout,
                            self.fp8_dtype, self.round_scale)
         else:
+            # metadata_ready: the tables are host copies made when the step was planned (_upload)
             tail_slots, slot_mapping, positions = tables
             launch_decode_update(kv_cache, tail, tail_slots, key, gate, ape, slot_mapping, positions, self.pool_size,
-                                 self.layout, self.fp8_dtype, self.round_scale)
+                                 self.layout, self.fp8_dtype, self.round_scale, metadata_ready=True)
 
     # ------------------------------------------------------------------ scoring
     def topk_indices(self, request_ids, q, weights, *, index_topk=2048, width=None, kv_cache=None) -> torch.Tensor:

@@ -3,8 +3,9 @@ Triton's ``launch_pdl`` (``_backend.pdl_launch``) and waits for its predecessor 
 before its first load, so that a kernel's launch overlaps the run of the one before it
 (H200, decode scoring chain, 1 request at 128K context: 25.0 -> 21.7 us per step). Each lets
 the next kernel launch right after its wait, except the scoring leaves, which do after their
-tile loop (``launch_dependents``). One exception to the wait-first rule: the decode update loads
-its step's index tensors (written before the previous kernel) before it waits (``decode``).
+tile loop (``launch_dependents``). One exception to the wait-first rule: the decode update
+called with ``metadata_ready`` loads its step's index tensors (the caller promises they were
+written before the previous kernel) before it waits (``decode``).
 """
 
 import triton
@@ -17,7 +18,7 @@ def grid_dependency_sync(PDL: tl.constexpr):
     """A PDL kernel's wait, before its first load: wait until the previous kernel in the
     stream has completed and its writes are visible (``griddepcontrol.wait``), then let the
     next kernel launch (``griddepcontrol.launch_dependents``; its programs wait here in turn).
-    Loads and stores follow the wait (the decode update's metadata loads excepted), so kernels
+    Loads and stores follow the wait (the decode update's metadata loads may precede it), so kernels
     stay ordered as without PDL: what overlaps is a kernel's launch with its predecessor's run.
     No-op when ``PDL`` is False."""
     grid_dependency_wait(PDL)

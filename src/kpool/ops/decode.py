@@ -12,11 +12,12 @@ step are one ``[NC, 128]`` tile of ``pool_vector`` reading rows and ring togethe
 barrier, then every token that stays in the ring is stashed at once. Any other step takes
 the in-order walk (``_in_order_step``), which gives the same bytes for any input.
 
-Under PDL (``_pdl``) a program loads its step's metadata (``positions``, ``tail_slot_mapping``,
-``slot_mapping``) *before* it waits for the previous kernel in the stream, so that the round trip
-overlaps that kernel's run; everything else (rows, ring, ``ape``, every store) follows the wait.
-The index tensors of a step must therefore be written before the kernel launched just before
-this one (engines fill them at the step's start: host copies, torch ops), not by it.
+Under PDL (``_pdl``) every load follows the wait for the previous kernel in the stream, unless
+the caller says the step's metadata (``positions``, ``tail_slot_mapping``, ``slot_mapping``) were
+written before that kernel (``metadata_ready``; ``KPoolCache`` does: its tables are host copies
+made at the step's start): then a program loads them *before* it waits, so that their round trip
+overlaps the previous kernel's run instead of preceding the ring reads that depend on it (H100:
+P=4 B=1,024 next_n 4 4.07 -> 3.75 us); rows, ring, ``ape`` and every store still follow the wait.
 """
 
 from __future__ import annotations
@@ -137,15 +138,18 @@ def _decode_update_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
                           P: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr,
                           PRESHUFFLE: tl.constexpr, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr,
                           ROUND_SCALE: tl.constexpr, NATIVE_FP8: tl.constexpr,
-                          NB: tl.constexpr, NC: tl.constexpr, ROW_SELECT: tl.constexpr, PDL: tl.constexpr):
+                          NB: tl.constexpr, NC: tl.constexpr, ROW_SELECT: tl.constexpr, PDL: tl.constexpr,
+                          META_FIRST: tl.constexpr):
     # NB >= next_n (a power of two), NC >= cdiv(next_n, P): the most completions in one step.
-    # The step's metadata is loaded before the PDL wait (module doc): its round trip overlaps
-    # the previous kernel's run instead of preceding the ring reads that depend on it.
+    # META_FIRST: the step's metadata is loaded before the PDL wait (module doc).
+    if not META_FIRST:
+        _pdl.grid_dependency_sync(PDL)
     b = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, 128)
     ts0, loc0, pos0 = _load_meta(ts_ptr, b * ts_sb, loc_ptr, b * loc_sb, pos_ptr, b * pos_sb, next_n > 0)
     if NB == 1:  # one token: the walk is the step
-        _pdl.grid_dependency_sync(PDL)
+        if META_FIRST:
+            _pdl.grid_dependency_sync(PDL)
         _in_order_step(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_block_stride, tail_head,
                        num_ring_slots, key_ptr, key_sb, key_st, g_ptr, g_sb, g_st, ape_ptr, ape_stride,
                        ts_ptr, ts_sb, ts_st, loc_ptr, loc_sb, loc_st, pos_ptr, pos_sb, pos_st, next_n, b, d,
@@ -155,7 +159,8 @@ def _decode_update_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
     in_step = j < next_n
     ts, loc, pos = _load_meta(ts_ptr, b * ts_sb + j * ts_st, loc_ptr, b * loc_sb + j * loc_st,
                               pos_ptr, b * pos_sb + j * pos_st, in_step)
-    _pdl.grid_dependency_sync(PDL)
+    if META_FIRST:
+        _pdl.grid_dependency_sync(PDL)
     block = ts0 // RING
     rows = in_step[:, None] & (d[None, :] < 128)
     k = tl.load(key_ptr + b * key_sb + j[:, None] * key_st + d[None, :], mask=rows, other=0.0)
@@ -193,7 +198,8 @@ def _decode_update_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
 
 def kpool_decode_update_and_maybe_write_cache_batched(kv_cache, tail_kv_cache, tail_slot_mapping, key, slot_score,
                                                       ape, slot_mapping, positions, pool_size, head_dim=HEAD_DIM,
-                                                      round_scale=True, *, layout=None, fp8_dtype=None):
+                                                      round_scale=True, *, layout=None, fp8_dtype=None,
+                                                      metadata_ready=False):
     """Decode / speculative-verify update of the ring and the pooled cache, in place.
 
     For every request and each of its ``next_n`` tokens in order: a token at ``pos`` with
@@ -215,13 +221,17 @@ def kpool_decode_update_and_maybe_write_cache_batched(kv_cache, tail_kv_cache, t
     positions : int32/int64 ``[B, next_n]`` token positions, -1 = padding.
     pool_size : P.
     layout, fp8_dtype : as in ``kpool_compress_and_write_cache``.
-
-    Under PDL (CUDA sm_90+, ``KPOOL_PDL``) the kernel loads ``positions``, ``tail_slot_mapping``
-    and ``slot_mapping`` before it waits for the previous kernel in the stream: they must not be
-    written by the kernel launched just before it (``key`` / ``slot_score`` may be).
+    metadata_ready : bool. True promises that ``positions``, ``tail_slot_mapping`` and
+        ``slot_mapping`` were written before the kernel launched just before this call (host
+        copies or kernels at the step's start, as engines build them; not, say, a
+        ``compute_pooled_write_locs`` right before): under PDL (CUDA sm_90+, ``KPOOL_PDL``) the
+        kernel then loads them before it waits for that kernel, ~0.3-0.5 us off a step. A
+        broken promise reads stale indices: wrong entries written. ``key`` / ``slot_score``
+        may come from the kernel just before either way.
     """
     check_head_dim(head_dim)
     check_bool("round_scale", round_scale)
+    check_bool("metadata_ready", metadata_ready)
     check_pool_size(pool_size)
     check_tensor("key", key, dtype=torch.bfloat16, ndim=3, inner_contiguous=True)
     device = key.device
@@ -242,7 +252,7 @@ def kpool_decode_update_and_maybe_write_cache_batched(kv_cache, tail_kv_cache, t
                        ring_slots=("tail_slot_mapping", tail_slot_mapping, positions, ring),
                        distinct=_step_writes(tail_slot_mapping, slot_mapping, positions, pool_size, ring))
     launch_decode_update(kv_cache, tail_kv_cache, tail_slot_mapping, key, slot_score, ape, slot_mapping, positions,
-                         pool_size, layout, fp8_dtype, round_scale)
+                         pool_size, layout, fp8_dtype, round_scale, metadata_ready)
 
 
 def _step_writes(tail_slots, slot_mapping, positions, pool_size: int, ring: int) -> list:
@@ -261,7 +271,7 @@ def _step_writes(tail_slots, slot_mapping, positions, pool_size: int, ring: int)
 
 @on_device_of("key")
 def launch_decode_update(kv_cache, tail, tail_slots, key, gate, ape, slot_mapping, positions, pool_size, layout,
-                         fp8_dtype, round_scale) -> None:
+                         fp8_dtype, round_scale, metadata_ready) -> None:
     """The decode update of arguments already validated (by the public op above, or built by
     ``KPoolCache`` for its own buffers), ``layout`` / ``fp8_dtype`` resolved: the torch
     reference or one launch, no checks (they cost a step's host time once per layer)."""
@@ -274,6 +284,7 @@ def launch_decode_update(kv_cache, tail, tail_slots, key, gate, ape, slot_mappin
                                 fp8_dtype, layout, round_scale)
         return
     ring = tail.shape[2]
+    pdl = pdl_launch(device)
     _decode_update_kernel[(num_req,)](
         kv_cache, kv_cache.view(torch.float32), kv_cache.stride(0), kv_cache.shape[0] * kv_cache.shape[1],
         tail, tail.stride(0), tail.stride(1), tail.shape[0] * ring,
@@ -283,6 +294,6 @@ def launch_decode_update(kv_cache, tail, tail_slots, key, gate, ape, slot_mappin
         PRESHUFFLE=layout == "preshuffle", FP8_MAX=fp8_max(fp8_dtype), FNUZ=fp8_dtype == torch.float8_e4m3fnuz,
         ROUND_SCALE=round_scale, NATIVE_FP8=native_fp8(device, fp8_dtype),
         **step_tiles(next_n, pool_size), ROW_SELECT=row_select(),
-        **decode_options(num_req, next_n, pool_size, device), **pdl_launch(device),
+        **decode_options(num_req, next_n, pool_size, device), **pdl, META_FIRST=metadata_ready and pdl["PDL"],
         enable_fp_fusion=False,
     )
