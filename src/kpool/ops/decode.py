@@ -225,7 +225,7 @@ def kpool_decode_update_and_maybe_write_cache_batched(kv_cache, tail_kv_cache, t
         ``slot_mapping`` were written before the kernel launched just before this call (host
         copies or kernels at the step's start, as engines build them; not, say, a
         ``compute_pooled_write_locs`` right before): under PDL (CUDA sm_90+, ``KPOOL_PDL``) the
-        kernel then loads them before it waits for that kernel, ~0.3-0.5 us off a step. A
+        kernel then loads them before it waits for that kernel (H100: 0.1-0.5 us off a step). A
         broken promise reads stale indices: wrong entries written. ``key`` / ``slot_score``
         may come from the kernel just before either way.
     """
