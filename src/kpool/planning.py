@@ -38,7 +38,8 @@ def decode_slot_mappings(positions: torch.Tensor, ring_blocks: torch.Tensor, pag
 
     ``slot_mapping`` and ``tail_slot_mapping`` are the same for every layer of a step: an
     engine can compute them once (on the GPU, inside a captured graph: elementwise torch, no
-    host sync) and pass them to each layer's ``kpool_decode_update_and_maybe_write_cache_batched``.
+    host sync) and pass them to each layer's ``kpool_decode_update_and_maybe_write_cache_batched``,
+    with ``metadata_ready=True`` where another kernel runs between (a model's key projection does).
     Eager, it is ~20 small ops; ``torch.compile(..., fullgraph=True)`` traces it whole (inductor
     on the CPU made it one fused kernel).
 
