@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from kpool import sass
-from kpool.ops import score
+from kpool.ops import decode, score
 
 SNIPPET = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
@@ -90,3 +90,21 @@ def test_decode_metadata_loads_before_the_pdl_wait_only_when_ready(nb, meta_firs
     listing = (tmp_path / "_decode_update_kernel.sass").read_text()
     before_wait = listing[:listing.index("ACQBULK")]
     assert before_wait.count("LDG") == ((6 if nb > 1 else 3) if meta_first else 0), before_wait[-3000:]
+
+
+@pytest.mark.parametrize("p,nb", [(16, 2), (16, 4), (4, 4)])
+def test_decode_stash_stores_precede_the_pooling_from_stash_first_pool(p, nb, tmp_path):
+    """A regular step's ring writes (the bf16 stash tile) are issued before its completed pool is
+    rotated (the rotation's shared-memory ``BAR.SYNC``, the listing's last) at
+    ``P >= decode.STASH_FIRST_POOL``, and after it, behind the stash barrier, below."""
+    out = run_tool("_decode_update_kernel", "--match", f"P={p},NB={nb}",
+                   "--set", "META_FIRST=True,PDL=True", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = (tmp_path / "_decode_update_kernel.sass").read_text().splitlines()
+    bars = [i for i, line in enumerate(lines) if "BAR.SYNC" in line]
+    tile_stores = [i for i, line in enumerate(lines) if "STG.E.128" in line]
+    assert bars and tile_stores, out.stdout
+    if p >= decode.STASH_FIRST_POOL:
+        assert tile_stores[0] < bars[-1], "\n".join(lines[bars[-1] - 5:bars[-1] + 40])
+    else:
+        assert tile_stores[0] > bars[-1], "\n".join(lines[tile_stores[0] - 40:tile_stores[0] + 2])

@@ -230,9 +230,12 @@ def load_slot(ptr, tok_off, ring_ptr, ring_row, in_ring, live, d, HAS_RING: tl.c
 
 
 @triton.jit
-def slot_logit(g, ape_ptr, ape_stride, s, d):
-    """Pooling logit of slot ``s``: gate + ape[s] (fp32 ``[BN, 128]``)."""
-    return g + tl.load(ape_ptr + s * ape_stride + d)[None, :]
+def load_ape(ape_ptr, ape_stride, d, P: tl.constexpr):
+    """The ``P`` rows of ``ape`` (fp32 ``[128]`` each), as a tuple."""
+    apes = ()
+    for s in tl.static_range(P):
+        apes = apes + (tl.load(ape_ptr + s * ape_stride + d),)
+    return apes
 
 
 @triton.jit
@@ -252,22 +255,14 @@ def pool_finish(acc, den):
 
 
 @triton.jit
-def pool_vector(k_ptr, g_ptr, k_off, g_off, k_step, g_step,
-                ring_ptr, ring_off, ring_head, ring_pos0, n_ring,
-                ape_ptr, ape_stride, d, live,
-                BN: tl.constexpr, P: tl.constexpr, RING: tl.constexpr, HAS_RING: tl.constexpr,
-                ROW_SELECT: tl.constexpr, LOADS_FIRST: tl.constexpr = False):
-    """Softmax(gate + ape)-pooled keys of BN pools, rounded to bf16 (SPEC §2 steps 1-2).
+def load_pool_rows(k_ptr, g_ptr, k_off, g_off, k_step, g_step, ring_ptr, ring_off, ring_head, ring_pos0, n_ring,
+                   live, d, P: tl.constexpr, RING: tl.constexpr, HAS_RING: tl.constexpr, ROW_SELECT: tl.constexpr):
+    """Gate and key rows (tuples of ``P`` fp32 ``[BN, 128]``) of BN pools, for ``pool_rows``.
 
     Slot ``s`` of pool ``i`` is read from the ring (block at element ``ring_off[i]``, slot
     ``(ring_pos0[i] + s) % RING``, gates ``ring_head`` elements further) when
     ``HAS_RING`` and ``s < n_ring[i]``, else from the token rows ``k_off[i] + s*k_step``
-    and ``g_off[i] + s*g_step``. Every gate and key row is loaded first, then two passes in
-    slot order: the max of the logits (from slot 0's, as ``numerics.pool_softmax``), then exp,
-    denominator and weighted sum. ``LOADS_FIRST``: a barrier after the row loads, so that
-    ptxas issues them all before the pooling starts instead of sinking some toward their use
-    (the writers' rule, ``compress.LOADS_FIRST_SLOTS``). Returns fp32 ``[BN, 128]``.
-    """
+    and ``g_off[i] + s*g_step``; pools not ``live`` read zeros."""
     gates = ()
     keys = ()
     for s in tl.static_range(P):
@@ -276,11 +271,17 @@ def pool_vector(k_ptr, g_ptr, k_off, g_off, k_step, g_step,
                                    HAS_RING, ROW_SELECT),)
         keys = keys + (load_slot(k_ptr, k_off + s * k_step, ring_ptr, ring_row, s < n_ring, live, d,
                                  HAS_RING, ROW_SELECT),)
-    if LOADS_FIRST:
-        tl.debug_barrier()
+    return gates, keys
+
+
+@triton.jit
+def pool_rows(gates, keys, apes, BN: tl.constexpr, P: tl.constexpr):
+    """Softmax(gate + ape)-pooled keys of loaded rows (``load_pool_rows``, ``load_ape``), rounded to
+    bf16 (SPEC §2 steps 1-2): two passes in slot order, the max of the logits (from slot 0's, as
+    ``numerics.pool_softmax``), then exp, denominator and weighted sum. Returns fp32 ``[BN, 128]``."""
     logits = ()
     for s in tl.static_range(P):
-        logits = logits + (slot_logit(gates[s], ape_ptr, ape_stride, s, d),)
+        logits = logits + (gates[s] + apes[s][None, :],)
         if s == 0:
             top = logits[0]
         else:
@@ -290,6 +291,24 @@ def pool_vector(k_ptr, g_ptr, k_off, g_off, k_step, g_step,
     for s in tl.static_range(P):
         acc, den = pool_accumulate(acc, den, logits[s], top, keys[s], s == 0)
     return pool_finish(acc, den)
+
+
+@triton.jit
+def pool_vector(k_ptr, g_ptr, k_off, g_off, k_step, g_step,
+                ring_ptr, ring_off, ring_head, ring_pos0, n_ring,
+                ape_ptr, ape_stride, d, live,
+                BN: tl.constexpr, P: tl.constexpr, RING: tl.constexpr, HAS_RING: tl.constexpr,
+                ROW_SELECT: tl.constexpr, LOADS_FIRST: tl.constexpr = False):
+    """``pool_rows`` of the rows ``load_pool_rows`` reads: every gate and key row loaded first,
+    then ``ape``, then the pooling. ``LOADS_FIRST``: a barrier after the row loads, so that
+    ptxas issues them all before the pooling starts instead of sinking some toward their use
+    (the writers' rule, ``compress.LOADS_FIRST_SLOTS``). Returns fp32 ``[BN, 128]``.
+    """
+    gates, keys = load_pool_rows(k_ptr, g_ptr, k_off, g_off, k_step, g_step, ring_ptr, ring_off, ring_head,
+                                 ring_pos0, n_ring, live, d, P, RING, HAS_RING, ROW_SELECT)
+    if LOADS_FIRST:
+        tl.debug_barrier()
+    return pool_rows(gates, keys, load_ape(ape_ptr, ape_stride, d, P), BN, P)
 
 
 @triton.jit

@@ -8,9 +8,15 @@ One program per request. A *regular* step (the stashed tokens are a prefix of th
 consecutive positions, in one ring block: every real decode / verify step, padding at the
 end included) runs in parallel: a completion's slots come from the step's own rows or from
 ring slots that no earlier token of the step has overwritten, so all completions of the
-step are one ``[NC, 128]`` tile of ``pool_vector`` reading rows and ring together, then a
-barrier, then every token that stays in the ring is stashed at once. Any other step takes
-the in-order walk (``_in_order_step``), which gives the same bytes for any input.
+step are one ``[NC, 128]`` tile of pooled rows and ring slots, and every token that stays in
+the ring is stashed at once. Any other step takes the in-order walk (``_in_order_step``),
+which gives the same bytes for any input.
+
+The ring slots a regular step stashes (positions ``pos0 .. pos0 + next_n - 1``) and those its
+completions read (``pos0 - P + 1 .. pos0 - 1``) are distinct because ``RING >= P + next_n - 1``
+(``check_ring_depth``): at ``P >= STASH_FIRST_POOL`` the stash is stored right after the
+completions' loads are issued, before the pooling, so that its writes drain while the pool is
+computed; below, after the completions, behind a barrier.
 
 Under PDL (``_pdl``) every load follows the wait for the previous kernel in the stream, unless
 the caller says the step's metadata (``positions``, ``tail_slot_mapping``, ``slot_mapping``) were
@@ -36,6 +42,12 @@ from ..layout import HEAD_DIM, cdiv, fp8_max, next_pow2, resolve_fp8_dtype
 from . import _jit, _pdl
 
 SMALL_BATCH = 256  # requests; up to this many, a program (one request) gets 4 warps
+# Pool sizes whose regular steps store the stash before the pooling (module doc). H100, ab.py
+# (benchmarks/LOG.md, 65th), stash before / after, us: P=16 next_n 4 B = 1 / 256 / 1,024
+# 1.22 / 3.69 / 5.42 -> 1.20 / 3.60 / 5.10; P=4 next_n 4 B = 256 / 1,024 2.74 / 3.75 -> 2.76 / 3.86
+# (the short pooling leaves nothing to overlap; the early stores meet the step's loads instead),
+# and the one-token walk slower at B = 1,024 either way (P=4 2.34 -> 2.37, P=16 2.92 -> 3.02).
+STASH_FIRST_POOL = tl.constexpr(16)
 
 
 def decode_warps(num_req: int, next_n: int) -> int:
@@ -92,6 +104,20 @@ def _load_rows(key_ptr, key_row, g_ptr, g_row, ok, d):
 
 
 @triton.jit
+def _stash_rows(dst, tail_head, k, g, mask):
+    # Key rows ``k`` at ring pointers ``dst``, gate rows ``g`` ``tail_head`` elements further, where ``mask``.
+    tl.store(dst, k, mask=mask)
+    tl.store(dst + tail_head, g, mask=mask)
+
+
+@triton.jit
+def _stash_tile(ring, tail_head, pos0, j, n_reg, k, g, d, RING: tl.constexpr):
+    # A regular step's stash: rows j < n_reg of the [NB, 128] tiles at ring slots (pos0 + j) % RING.
+    keep = (j < n_reg)[:, None] & (d[None, :] < 128)  # next_n <= RING - P + 1: no stash overwrites another
+    _stash_rows(ring + ((pos0 + j) % RING)[:, None] * 128 + d[None, :], tail_head, k, g, keep)
+
+
+@triton.jit
 def _in_order_step(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_block_stride, tail_head,
                    num_ring_slots, key_ptr, key_sb, key_st, g_ptr, g_sb, g_st, ape_ptr, ape_stride,
                    ts_ptr, ts_sb, ts_st, loc_ptr, loc_sb, loc_st, pos_ptr, pos_sb, pos_st, next_n, b, d,
@@ -114,6 +140,8 @@ def _in_order_step(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_bl
                                      pos_ptr, b * pos_sb + nj * pos_st, ok1)
         stash = (pos >= 0) & (ts >= 0) & (ts < num_ring_slots)
         ring_off = (tl.where(stash, ts, 0) // RING) * tail_block_stride
+        dst = tail_ptr + ring_off + (pos % RING) * 128 + d
+        rows = d < tl.where(stash, 128, 0)  # as in _load_rows: a vector mask
         if stash & (pos % P == P - 1) & (loc >= 0) & (loc < num_slots):
             # slots 0..P-2 from the ring as this step left it, slot P-1 is token j itself
             x = _jit.pool_vector(key_ptr, g_ptr, one + key_row, one + g_row, 0, 0,
@@ -121,10 +149,7 @@ def _in_order_step(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_bl
                                  ape_ptr, ape_stride, d, one == 0, 1, P, RING, True, ROW_SELECT)
             _jit.encode_and_store(kv_ptr, kv_f32_ptr, page_stride, x, one + loc, one == 0, d, 1, PAGE, PRESHUFFLE,
                                   FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)
-        dst = tail_ptr + ring_off + (pos % RING) * 128 + d
-        rows = d < tl.where(stash, 128, 0)  # as in _load_token: a vector mask
-        tl.store(dst, k, mask=rows)
-        tl.store(dst + tail_head, g, mask=rows)
+        _stash_rows(dst, tail_head, k, g, rows)
         tl.debug_barrier()  # token j's ring writes precede token j + 1's ring reads
         k, g, ts, loc, pos = k1, g1, ts1, loc1, pos1
 
@@ -177,6 +202,7 @@ def _decode_update_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
     n_reg = tl.sum((stash & (pos == pos0 + j) & (ts // RING == block)).to(tl.int32), axis=0)
     # regular: the stashed tokens are exactly tokens 0 .. n_reg-1, at pos0 + j, in one block
     irregular = tl.max((stash != (j < n_reg)).to(tl.int32), axis=0)
+    STASH_FIRST: tl.constexpr = P >= STASH_FIRST_POOL
     if irregular == 0:
         ring = tail_ptr + block * tail_block_stride
         # completing tokens j0, j0 + P, ...: slot s of token jc's pool is token jc - (P-1) + s,
@@ -187,16 +213,20 @@ def _decode_update_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
         complete = (jc < n_reg) & (loc_c >= 0) & (loc_c < num_slots)
         if tl.max(complete.to(tl.int32), axis=0) > 0:
             first = jc - (P - 1)
-            x = _jit.pool_vector(key_ptr, g_ptr, b * key_sb + first * key_st, b * g_sb + first * g_st, key_st, g_st,
-                                 ring, 0, tail_head, pos0 + first, tl.maximum(-first, 0),
-                                 ape_ptr, ape_stride, d, complete, NC, P, RING, True, ROW_SELECT)
+            gates, keys = _jit.load_pool_rows(key_ptr, g_ptr, b * key_sb + first * key_st, b * g_sb + first * g_st,
+                                              key_st, g_st, ring, 0, tail_head, pos0 + first, tl.maximum(-first, 0),
+                                              complete, d, P, RING, True, ROW_SELECT)
+            apes = _jit.load_ape(ape_ptr, ape_stride, d, P)
+            if STASH_FIRST:  # the stash's slots are not the completions' ring slots (module doc)
+                _stash_tile(ring, tail_head, pos0, j, n_reg, k, g, d, RING)
+            x = _jit.pool_rows(gates, keys, apes, NC, P)
             _jit.encode_and_store(kv_ptr, kv_f32_ptr, page_stride, x, loc_c, complete, d, NC, PAGE, PRESHUFFLE,
                                   FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)
-        tl.debug_barrier()  # the completions' ring reads precede the stash
-        keep = (j < n_reg)[:, None] & (d[None, :] < 128)  # next_n <= RING - P + 1: no stash overwrites another
-        dst = ring + ((pos0 + j) % RING)[:, None] * 128 + d[None, :]
-        tl.store(dst, k, mask=keep)
-        tl.store(dst + tail_head, g, mask=keep)
+        elif STASH_FIRST:
+            _stash_tile(ring, tail_head, pos0, j, n_reg, k, g, d, RING)
+        if not STASH_FIRST:
+            tl.debug_barrier()  # the completions' ring reads precede the stash
+            _stash_tile(ring, tail_head, pos0, j, n_reg, k, g, d, RING)
     else:
         if not META_FIRST:
             ts0, loc0, pos0 = _load_meta(ts_ptr, b * ts_sb, loc_ptr, b * loc_sb, pos_ptr, b * pos_sb, next_n > 0)
