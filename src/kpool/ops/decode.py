@@ -42,11 +42,11 @@ from ..layout import HEAD_DIM, cdiv, fp8_max, next_pow2, resolve_fp8_dtype
 from . import _jit, _pdl
 
 SMALL_BATCH = 256  # requests; up to this many, a program (one request) gets 4 warps
-# Pool sizes whose regular steps store the stash before the pooling (module doc). H100, ab.py
-# (benchmarks/LOG.md, 65th), stash before / after, us: P=16 next_n 4 B = 1 / 256 / 1,024
-# 1.22 / 3.69 / 5.42 -> 1.20 / 3.60 / 5.10; P=4 next_n 4 B = 256 / 1,024 2.74 / 3.75 -> 2.76 / 3.86
-# (the short pooling leaves nothing to overlap; the early stores meet the step's loads instead),
-# and the one-token walk slower at B = 1,024 either way (P=4 2.34 -> 2.37, P=16 2.92 -> 3.02).
+# Pool sizes whose regular steps store the stash before the pooling (module doc). H100 graph steps,
+# ab.py (benchmarks/LOG.md, 65th), stash after -> before, us: P=16 next_n 4 B = 1 / 256 / 1,024
+# 1.22 / 3.67 / 5.42 -> 1.20 / 3.60 / 5.14, next_n 2 B = 1,024 4.56 -> 4.35; at P=4 (tried: next_n 4
+# B = 1,024 3.75 -> 3.86) the short pooling leaves nothing to overlap and the early stores meet the
+# step's loads instead; the one-token walk lost at B = 1,024 (P=4 2.34 -> 2.37, P=16 2.92 -> 3.02).
 STASH_FIRST_POOL = tl.constexpr(16)
 
 
