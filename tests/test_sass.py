@@ -94,9 +94,10 @@ def test_decode_metadata_loads_before_the_pdl_wait_only_when_ready(nb, meta_firs
 
 @pytest.mark.parametrize("p,nb", [(16, 2), (16, 4), (4, 4)])
 def test_decode_stash_stores_precede_the_pooling_from_stash_first_pool(p, nb, tmp_path):
-    """A regular step's ring writes (the bf16 stash tile) are issued before its completed pool is
-    rotated (the rotation's shared-memory ``BAR.SYNC``, the listing's last) at
-    ``P >= decode.STASH_FIRST_POOL``, and after it, behind the stash barrier, below."""
+    """A regular step's ring writes (the bf16 stash tile): at ``P >= decode.STASH_FIRST_POOL`` the
+    first tile store precedes the listing's last ``BAR.SYNC`` (the rotation's: the stash goes out
+    before the pool is rotated); below, it follows the listing's last ``BAR.SYNC`` (the barrier
+    between the completions' ring reads and the stash)."""
     out = run_tool("_decode_update_kernel", "--match", f"P={p},NB={nb}",
                    "--set", "META_FIRST=True,PDL=True", "--out", str(tmp_path))
     assert out.returncode == 0, out.stderr[-2000:]
