@@ -23,12 +23,17 @@ the seed documents).
   What ``ours`` costs above it is the completions (ring reads, pooling, encode, entry
   writes). Same ring as ``ours``; its bytes are the ones it moves.
 
+``$KPOOL_BENCH_DECODE_STEPS`` adds cases to every mode's, as comma-separated ``P:B:NEXT_N``, e.g.
+``KPOOL_BENCH_DECODE_STEPS=4:8:1,16:8:1`` for batches between the grid's (for ``benchmarks/ab.py``).
+
 Bytes: per token its key + gate read (512 B), three int32 mappings, its ring stash
 written (512 B); per completing token one 132-byte entry written plus the ring entries
 its pool reads from before the step (512 B each); ``ape`` once. Computed from set 0.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -45,6 +50,7 @@ FP8 = torch.float8_e4m3fn
 _HEAD = tl.constexpr(HEAD)  # for @triton.jit code (a plain global is rejected by the compiler)
 TORCH_MAX_BATCH = 1
 CHECK_MAX_BATCH = 64
+EXTRA_STEPS = os.environ.get("KPOOL_BENCH_DECODE_STEPS", "")  # module docstring
 
 
 def cases(mode):
@@ -54,8 +60,21 @@ def cases(mode):
         grid = [(b, nn, p) for p in (4, 16) for b in (1, 1024) for nn in (1, 4)]
     else:
         grid = [(b, nn, p) for p in (4, 16) for b in (1, 64, 256, 1024) for nn in (1, 2, 4)]
+    grid += [(b, nn, p) for p, b, nn in extra_steps(EXTRA_STEPS)]
     return [{"label": f"P={p} B={b} next_n={nn}", "P": p, "batch": b, "next_n": nn, "page": PAGE}
             for b, nn, p in grid]
+
+
+def extra_steps(spec: str) -> list:
+    """``(P, B, NEXT_N)`` of each ``P:B:NEXT_N`` in the comma-separated ``spec``."""
+    out = []
+    for item in filter(None, (t.strip() for t in spec.split(","))):
+        parts = item.split(":")
+        if len(parts) != 3 or not all(x.isdigit() and int(x) > 0 for x in parts) or int(parts[0]) not in (4, 16):
+            raise ValueError(f"KPOOL_BENCH_DECODE_STEPS takes P:B:NEXT_N items (P 4 or 16, positive ints), "
+                             f"got {item!r}")
+        out.append(tuple(int(x) for x in parts))
+    return out
 
 
 def impls(case):

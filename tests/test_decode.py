@@ -258,6 +258,22 @@ def test_decode_matches_oracle(case, backend, device):
     """Random multi-request steps (random starts, valid counts, padding anywhere) over the
     matrix P, RING (P for plain decode; the minimal, power-of-two and a larger ring for
     verify steps), layout, fp8 format, PAGE, padded strides, index dtypes, input strides."""
+    run_case(case, device)
+
+
+@pytest.mark.parametrize("stash_first", [False, True], ids=["stash-after", "stash-first"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[4]], ids=[CASES[0][0], CASES[4][0]])
+def test_walk_stash_placement_at_any_batch(case, stash_first, backend, device, monkeypatch):
+    """The in-order walk (one-token steps; the padded steps of ``CASES[4]`` that are not regular)
+    stashes each token before its completion up to ``decode.WALK_STASH_FIRST_BATCH`` requests and
+    after it above: with the threshold forced below and above the batch, both give the oracle's bytes."""
+    from kpool.ops import decode
+    monkeypatch.setattr(decode, "WALK_STASH_FIRST_BATCH", 1 << 20 if stash_first else 0)
+    run_case(case, device)
+
+
+def run_case(case, device):
+    """Two random steps of a ``CASES`` row, every step's whole buffers checked (``Sched.apply``)."""
     (id_, P, kind, layout, fp8, page, next_n, n_req, kv_pad, lead, bpad, hpad, mag, rs, idt, strided) = case
     ring = spec_ring(P, next_n, kind)
     assert f"-R{ring}-" in id_

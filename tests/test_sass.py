@@ -6,6 +6,7 @@ for: its loop reads the key codes from shared memory 16 bytes at a time, never 2
 """
 
 import os
+import re
 import subprocess
 import sys
 
@@ -92,20 +93,47 @@ def test_decode_metadata_loads_before_the_pdl_wait_only_when_ready(nb, meta_firs
     assert before_wait.count("LDG") == ((6 if nb > 1 else 3) if meta_first else 0), before_wait[-3000:]
 
 
-@pytest.mark.parametrize("p,nb", [(16, 2), (16, 4), (4, 4)])
-def test_decode_stash_stores_precede_the_pooling_from_stash_first_pool(p, nb, tmp_path):
-    """A regular step's ring writes (the bf16 stash tile): at ``P >= decode.STASH_FIRST_POOL`` the
-    first tile store precedes the listing's last ``BAR.SYNC`` (the rotation's: the stash goes out
-    before the pool is rotated); below, it follows the listing's last ``BAR.SYNC`` (the barrier
-    between the completions' ring reads and the stash)."""
+# the first fma of every exp's Horner polynomial (``_jit.exp_exact``) carries this coefficient
+EXP_MARK = "0.0096760317683219"
+
+
+def _decode_listing(tmp_path, p, nb, walk_stash_first=False):
     out = run_tool("_decode_update_kernel", "--match", f"P={p},NB={nb}",
-                   "--set", "META_FIRST=True,PDL=True", "--out", str(tmp_path))
+                   "--set", f"META_FIRST=True,PDL=True,WALK_STASH_FIRST={walk_stash_first}", "--out", str(tmp_path))
     assert out.returncode == 0, out.stderr[-2000:]
     lines = (tmp_path / "_decode_update_kernel.sass").read_text().splitlines()
+    exps = [i for i, line in enumerate(lines) if "FFMA" in line and EXP_MARK in line]
+    assert exps, out.stdout
+    return lines, exps, out.stdout
+
+
+@pytest.mark.parametrize("p,nb", [(16, 2), (16, 4), (4, 4), (4, 8)])
+def test_decode_stash_stores_around_the_pooling(p, nb, tmp_path):
+    """A regular step's ring writes (the bf16 stash tile, ``STG.E.128``; the regular path is the
+    listing's last): at ``P >= decode.STASH_FIRST_POOL`` the first tile store comes before the
+    pooling's last exp; below, after the pooling's exps and before the rotation (the listing's
+    last ``BAR.SYNC``)."""
+    lines, exps, stdout = _decode_listing(tmp_path, p, nb)
+    assert "num_warps=1" in stdout, stdout  # one warp stores a [NB, 128] bf16 tile 128 bits a thread
     bars = [i for i, line in enumerate(lines) if "BAR.SYNC" in line]
     tile_stores = [i for i, line in enumerate(lines) if "STG.E.128" in line]
-    assert bars and tile_stores, out.stdout
+    assert bars and tile_stores
     if p >= decode.STASH_FIRST_POOL:
-        assert tile_stores[0] < bars[-1], "\n".join(lines[bars[-1] - 5:bars[-1] + 40])
+        assert tile_stores[0] < exps[-1], "\n".join(lines[exps[-1] - 5:exps[-1] + 40])
     else:
-        assert tile_stores[0] > bars[-1], "\n".join(lines[tile_stores[0] - 40:tile_stores[0] + 2])
+        assert exps[-1] < tile_stores[0] < bars[-1], "\n".join(lines[tile_stores[0] - 40:tile_stores[0] + 2])
+
+
+@pytest.mark.parametrize("p", [4, 16])
+@pytest.mark.parametrize("stash_first", [False, True])
+def test_decode_walk_stash_stores_around_the_pooling(p, stash_first, tmp_path):
+    """One-token steps (the in-order walk): with ``WALK_STASH_FIRST`` the token's ring writes
+    (key and gate rows: ``STG.E.64`` at one warp, ``STG.E.U16`` at four) come before its pool's
+    first exp, else after its last."""
+    lines, exps, _ = _decode_listing(tmp_path, p, 1, stash_first)
+    stash = [i for i, line in enumerate(lines) if re.search(r"STG\.E\.(64|U16) ", line)]
+    assert len(stash) == 2
+    if stash_first:
+        assert stash[-1] < exps[0], "\n".join(lines[stash[0] - 5:exps[0] + 2])
+    else:
+        assert exps[-1] < stash[0], "\n".join(lines[exps[-1] - 5:stash[0] + 2])

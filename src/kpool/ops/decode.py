@@ -14,9 +14,11 @@ which gives the same bytes for any input.
 
 The ring slots a regular step stashes (positions ``pos0 .. pos0 + next_n - 1``) and those its
 completions read (``pos0 - P + 1 .. pos0 - 1``) are distinct because ``RING >= P + next_n - 1``
-(``check_ring_depth``): at ``P >= STASH_FIRST_POOL`` the stash is stored right after the
-completions' loads are issued, before the pooling, so that its writes drain while the pool is
-computed; below, after the completions, behind a barrier.
+(``check_ring_depth``), so no barrier orders them: at ``P >= STASH_FIRST_POOL`` the stash is stored
+right after the completions' loads are issued, so that its writes drain while the pool is computed;
+below, between the pooling and the rotation. The in-order walk stashes a token before its completion
+(its slot is not one of its pool's: ``RING >= P``) in batches of up to ``WALK_STASH_FIRST_BATCH``
+requests, else after it.
 
 Under PDL (``_pdl``) every load follows the wait for the previous kernel in the stream, unless
 the caller says the step's metadata (``positions``, ``tail_slot_mapping``, ``slot_mapping``) were
@@ -46,8 +48,15 @@ SMALL_BATCH = 256  # requests; up to this many, a program (one request) gets 4 w
 # ab.py (benchmarks/LOG.md, 65th), stash after -> before, us: P=16 next_n 4 B = 1 / 256 / 1,024
 # 1.22 / 3.67 / 5.42 -> 1.20 / 3.60 / 5.14, next_n 2 B = 1,024 4.56 -> 4.35; at P=4 (tried: next_n 4
 # B = 1,024 3.75 -> 3.86) the short pooling leaves nothing to overlap and the early stores meet the
-# step's loads instead; the one-token walk lost at B = 1,024 (P=4 2.34 -> 2.37, P=16 2.92 -> 3.02).
+# step's loads instead; the one-token walk lost at B = 1,024 (P=4 2.34 -> 2.37, P=16 2.92 -> 3.02). Below, the
+# stash between the pooling and the rotation, not after the completion behind a barrier (66th): P=4 B = 1 /
+# 256 next_n 4 1.530 / 2.766 -> 1.490 / 2.724, next_n 2 B = 256 / 1,024 2.641 / 3.269 -> 2.615 / 3.239, but
+# B = 1,024 next_n 4 3.760 -> 3.773 (without the barrier alone, stash last: 3.750).
 STASH_FIRST_POOL = tl.constexpr(16)
+# Batches (requests) up to which the in-order walk (one-token steps, irregular steps) stashes each
+# token before its completion, not after. H100 graph steps, ab.py (LOG.md, 66th), after -> before,
+# us: next_n 1 B = 1 P=4 0.961 -> 0.865, P=16 0.833 -> 0.792; B = 64 1.310 -> 1.353, 1.661 -> 1.721.
+WALK_STASH_FIRST_BATCH = 1
 
 
 def decode_warps(num_req: int, next_n: int) -> int:
@@ -124,10 +133,11 @@ def _in_order_step(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_bl
                    ts, loc, pos,
                    P: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr, PRESHUFFLE: tl.constexpr,
                    FP8_MAX: tl.constexpr, FNUZ: tl.constexpr, ROUND_SCALE: tl.constexpr,
-                   NATIVE_FP8: tl.constexpr, ROW_SELECT: tl.constexpr):
+                   NATIVE_FP8: tl.constexpr, ROW_SELECT: tl.constexpr, STASH_FIRST: tl.constexpr):
     # Request b's tokens one at a time (``ts``, ``loc``, ``pos``: token 0's metadata, loaded by
     # the caller); token j + 1's metadata and rows are loaded before token j writes the ring
-    # (software pipelining); a barrier after each token's ring writes.
+    # (software pipelining); a barrier after each token's ring writes. ``STASH_FIRST``: token j is
+    # stashed before its completion, else after (its slot is not one its pool reads: RING >= P).
     one = tl.zeros((1,), tl.int64)  # [1] vectors: the pool helpers work on tiles of BN = 1 pools
     k, g = _load_rows(key_ptr, b * key_sb, g_ptr, b * g_sb, next_n > 0, d)
     for j in range(0, next_n):
@@ -142,6 +152,8 @@ def _in_order_step(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_bl
         ring_off = (tl.where(stash, ts, 0) // RING) * tail_block_stride
         dst = tail_ptr + ring_off + (pos % RING) * 128 + d
         rows = d < tl.where(stash, 128, 0)  # as in _load_rows: a vector mask
+        if STASH_FIRST:
+            _stash_rows(dst, tail_head, k, g, rows)
         if stash & (pos % P == P - 1) & (loc >= 0) & (loc < num_slots):
             # slots 0..P-2 from the ring as this step left it, slot P-1 is token j itself
             x = _jit.pool_vector(key_ptr, g_ptr, one + key_row, one + g_row, 0, 0,
@@ -149,7 +161,8 @@ def _in_order_step(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_bl
                                  ape_ptr, ape_stride, d, one == 0, 1, P, RING, True, ROW_SELECT)
             _jit.encode_and_store(kv_ptr, kv_f32_ptr, page_stride, x, one + loc, one == 0, d, 1, PAGE, PRESHUFFLE,
                                   FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)
-        _stash_rows(dst, tail_head, k, g, rows)
+        if not STASH_FIRST:
+            _stash_rows(dst, tail_head, k, g, rows)
         tl.debug_barrier()  # token j's ring writes precede token j + 1's ring reads
         k, g, ts, loc, pos = k1, g1, ts1, loc1, pos1
 
@@ -164,7 +177,7 @@ def _decode_update_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
                           PRESHUFFLE: tl.constexpr, FP8_MAX: tl.constexpr, FNUZ: tl.constexpr,
                           ROUND_SCALE: tl.constexpr, NATIVE_FP8: tl.constexpr,
                           NB: tl.constexpr, NC: tl.constexpr, ROW_SELECT: tl.constexpr, PDL: tl.constexpr,
-                          META_FIRST: tl.constexpr):
+                          META_FIRST: tl.constexpr, WALK_STASH_FIRST: tl.constexpr):
     # NB >= next_n (a power of two), NC >= cdiv(next_n, P): the most completions in one step.
     # META_FIRST: the step's metadata is loaded before the PDL wait (module doc); without it the
     # loads keep the order they had before that option (H100: token 0's metadata loaded up
@@ -183,7 +196,8 @@ def _decode_update_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
         _in_order_step(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_block_stride, tail_head,
                        num_ring_slots, key_ptr, key_sb, key_st, g_ptr, g_sb, g_st, ape_ptr, ape_stride,
                        ts_ptr, ts_sb, ts_st, loc_ptr, loc_sb, loc_st, pos_ptr, pos_sb, pos_st, next_n, b, d,
-                       ts0, loc0, pos0, P, RING, PAGE, PRESHUFFLE, FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8, ROW_SELECT)
+                       ts0, loc0, pos0, P, RING, PAGE, PRESHUFFLE, FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8, ROW_SELECT,
+                       WALK_STASH_FIRST)
         return
     j = tl.arange(0, NB)
     in_step = j < next_n
@@ -220,12 +234,11 @@ def _decode_update_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
             if STASH_FIRST:  # the stash's slots are not the completions' ring slots (module doc)
                 _stash_tile(ring, tail_head, pos0, j, n_reg, k, g, d, RING)
             x = _jit.pool_rows(gates, keys, apes, NC, P)
+            if not STASH_FIRST:  # below: between the pooling and the rotation
+                _stash_tile(ring, tail_head, pos0, j, n_reg, k, g, d, RING)
             _jit.encode_and_store(kv_ptr, kv_f32_ptr, page_stride, x, loc_c, complete, d, NC, PAGE, PRESHUFFLE,
                                   FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)
-        elif STASH_FIRST:
-            _stash_tile(ring, tail_head, pos0, j, n_reg, k, g, d, RING)
-        if not STASH_FIRST:
-            tl.debug_barrier()  # the completions' ring reads precede the stash
+        else:
             _stash_tile(ring, tail_head, pos0, j, n_reg, k, g, d, RING)
     else:
         if not META_FIRST:
@@ -233,7 +246,8 @@ def _decode_update_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
         _in_order_step(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_block_stride, tail_head,
                        num_ring_slots, key_ptr, key_sb, key_st, g_ptr, g_sb, g_st, ape_ptr, ape_stride,
                        ts_ptr, ts_sb, ts_st, loc_ptr, loc_sb, loc_st, pos_ptr, pos_sb, pos_st, next_n, b, d,
-                       ts0, loc0, pos0, P, RING, PAGE, PRESHUFFLE, FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8, ROW_SELECT)
+                       ts0, loc0, pos0, P, RING, PAGE, PRESHUFFLE, FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8, ROW_SELECT,
+                       WALK_STASH_FIRST)
 
 
 def kpool_decode_update_and_maybe_write_cache_batched(kv_cache, tail_kv_cache, tail_slot_mapping, key, slot_score,
@@ -335,5 +349,6 @@ def launch_decode_update(kv_cache, tail, tail_slots, key, gate, ape, slot_mappin
         ROUND_SCALE=round_scale, NATIVE_FP8=native_fp8(device, fp8_dtype),
         **step_tiles(next_n, pool_size), ROW_SELECT=row_select(),
         **decode_options(num_req, next_n, pool_size, device), **pdl, META_FIRST=metadata_ready and pdl["PDL"],
+        WALK_STASH_FIRST=num_req <= WALK_STASH_FIRST_BATCH,
         enable_fp_fusion=False,
     )
