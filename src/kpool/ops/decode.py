@@ -54,9 +54,10 @@ SMALL_BATCH = 256  # requests; up to this many, a program (one request) gets 4 w
 # B = 1,024 next_n 4 3.760 -> 3.773 (without the barrier alone, stash last: 3.750).
 STASH_FIRST_POOL = tl.constexpr(16)
 # Batches (requests) up to which the in-order walk (one-token steps, irregular steps) stashes each
-# token before its completion, not after. H100 graph steps, ab.py (LOG.md, 66th), after -> before,
-# us: next_n 1 B = 1 P=4 0.961 -> 0.865, P=16 0.833 -> 0.792; B = 64 1.310 -> 1.353, 1.661 -> 1.721.
-WALK_STASH_FIRST_BATCH = 1
+# token before its completion, not after. H200 graph steps, ab.py (LOG.md, 66th), next_n 1, after ->
+# before, us: P=4 B = 1 / 2 / 4 / 8 0.904 / 0.991 / 1.084 / 1.140 -> 0.837 / 0.970 / 1.125 / 1.211;
+# P=16 0.801 / 0.848 / 0.938 / 1.101 -> 0.775 / 0.821 / 0.924 / 1.105, slower at 16 and 32 (H100: B = 64 too).
+WALK_STASH_FIRST_BATCH = 2
 
 
 def decode_warps(num_req: int, next_n: int) -> int:
