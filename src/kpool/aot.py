@@ -241,7 +241,8 @@ def _decode_specs(m):
         ptrs=dict(kv_ptr="u8", kv_f32_ptr="fp32", tail_ptr="bf16", key_ptr="bf16", g_ptr="bf16", ape_ptr="fp32",
                   ts_ptr="i64", loc_ptr="i64", pos_ptr="i64"),
         cross=(decode_step_axis(), layout_axis(), fp8_axis("FP8_MAX", "FNUZ")),
-        cycle=(flag("ROUND_SCALE"), flag("META_FIRST"), flag("WALK_STASH_FIRST"), _PAGE, int_ptr_axis("ts_ptr", "loc_ptr", "pos_ptr"),
+        cycle=(flag("ROUND_SCALE"), flag("META_FIRST"), flag("WALK_STASH_FIRST"), _PAGE,
+               int_ptr_axis("ts_ptr", "loc_ptr", "pos_ptr"),
                axis("_opt_num_warps", sorted({m.decode_warps(b, n) for b in (1, 1 << 20) for n in (1, 4)}))),
         derive=lambda c: _decode_derive(m, c), target_derive=ring_writer_params,
         options=dict(enable_fp_fusion=False))}
