@@ -175,6 +175,19 @@ def test_decode_movement_writes_exactly_the_stash(backend, device):
         assert torch.equal(tail, expect), (backend, p, b, nn)
 
 
+def test_decode_extra_steps(monkeypatch):
+    """``KPOOL_BENCH_DECODE_STEPS`` (``P:B:NEXT_N`` items) adds decode cases to a mode's grid;
+    a malformed item is rejected naming the variable."""
+    bd = _load("bench_decode")
+    assert bd.extra_steps(" 4:8:1, 16:2:4,") == [(4, 8, 1), (16, 2, 4)]
+    monkeypatch.setattr(bd, "EXTRA_STEPS", "16:8:1")
+    labels = [c["label"] for c in bd.cases("dry")]
+    assert labels[-1] == "P=16 B=8 next_n=1" and len(labels) == len(set(labels))
+    for bad in ("4:8", "4:0:1", "8:8:1", "4:x:1"):
+        with pytest.raises(ValueError, match="KPOOL_BENCH_DECODE_STEPS"):
+            bd.extra_steps(bad)
+
+
 def test_plot_series_groups_by_impl_and_fixed_params():
     pl = _load("plot")
     data = pl.series(_fake_doc())
