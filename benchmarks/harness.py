@@ -42,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -58,6 +59,9 @@ TARGET_REPLAY_US = {"full": 1000.0, "quick": 500.0, "dry": 0.0}
 GRAPH_REPS = {"full": 30, "quick": 15, "dry": 2}
 EVENT_REPS = {"full": 10, "quick": 5, "dry": 2}
 MAX_CALLS = 2000  # calls captured in one graph at most
+SMI_QUERY = "driver_version,clocks.sm,clocks.mem,clocks.max.sm,power.draw,temperature.gpu"
+SUSTAIN_QUERY = "clocks.sm,power.draw,clocks_throttle_reasons.active"
+SUSTAIN_SAMPLE_S = 0.1  # nvidia-smi sampling period while Ctx.sustain_s replays run
 CPU_REPS = 1  # CPU / interpreter: one timed call, no warm-up (the timing means nothing there)
 COPY_BYTES = {"full": 1 << 30, "quick": 1 << 30, "dry": 1 << 20}
 FP8 = torch.float8_e4m3fn
@@ -147,14 +151,41 @@ def gpu_slug(name: str | None) -> str:
     return "".join(c for c in name.lower() if c.isalnum()) or "gpu"
 
 
-def _nvidia_smi() -> dict:
-    q = "driver_version,clocks.sm,clocks.mem,clocks.max.sm,power.draw,temperature.gpu"
+def _nvidia_smi(query: str = SMI_QUERY, units: bool = True) -> dict:
+    """``nvidia-smi --query-gpu=query`` of GPU 0 as ``{field: text}`` (``units=False``: bare numbers);
+    ``{}`` where nvidia-smi is missing or fails."""
+    fmt = "csv,noheader" if units else "csv,noheader,nounits"
     try:
-        out = subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"], capture_output=True,
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={query}", f"--format={fmt}"], capture_output=True,
                              text=True, timeout=10, check=True).stdout.strip().splitlines()
-        return dict(zip(q.split(","), (v.strip() for v in out[0].split(",")))) if out else {}
+        return dict(zip(query.split(","), (v.strip() for v in out[0].split(",")))) if out else {}
     except Exception:  # noqa: BLE001
         return {}
+
+
+def load_summary(samples: list) -> dict:
+    """Summary of ``SUSTAIN_QUERY`` samples (``_nvidia_smi(SUSTAIN_QUERY, units=False)`` dicts)
+    taken under sustained load: SM clock (median, least), board power (median, most) and every
+    throttle reason seen (the OR of the ``clocks_throttle_reasons.active`` masks: 0x4 software
+    power cap, 0x8 hardware slowdown, 0x20 / 0x40 software / hardware thermal, 0x80 power brake)."""
+    def numbers(field, parse=float):
+        out = []
+        for s in samples:
+            try:
+                out.append(parse(s[field]))
+            except (KeyError, ValueError):
+                pass
+        return out
+
+    mhz, watts = numbers("clocks.sm"), numbers("power.draw")
+    masks = numbers("clocks_throttle_reasons.active", lambda v: int(v, 16))
+    mask = 0
+    for m in masks:
+        mask |= m
+    return {"samples": len(samples),
+            "sm_mhz": statistics.median(mhz) if mhz else None, "sm_mhz_min": min(mhz) if mhz else None,
+            "power_w": statistics.median(watts) if watts else None, "power_w_max": max(watts) if watts else None,
+            "throttle_mask": hex(mask) if masks else None}
 
 
 def _quantile(xs, q):
@@ -193,6 +224,7 @@ class Ctx:
         self.copy_gbps = None
         self.occupier = None  # occupy.Occupier: SMs held while timing (ab.py --occupy-sms), else None
         self.profile = False  # run(): one eager call between cudaProfilerStart / Stop, no timing
+        self.sustain_s = 0.0  # > 0: graph timings also replay back to back this long, clocks sampled (_sustain)
         if self.cuda:
             props = torch.cuda.get_device_properties(self.device)
             self.l2_bytes = int(getattr(props, "L2_cache_size", 0) or 60 * 2**20)
@@ -318,17 +350,52 @@ class Ctx:
             k = want
             graph = self._capture(fn, sets, k)
         ts = [t / k for t in self._replay_times(graph, reps)]
+        sustained = self._sustain(graph, k) if self.sustain_s > 0 else {}
         del graph
-        return ts, k
+        return ts, k, sustained
+
+    def _sustain(self, graph, k) -> dict:
+        """Replay ``graph`` (``k`` calls) back to back for ``sustain_s`` seconds while a thread
+        samples ``SUSTAIN_QUERY`` every ``SUSTAIN_SAMPLE_S``: ``us_sustained`` per call and
+        ``load_summary`` of the samples under the keys ``sustained_*``. A short timed loop may run
+        at a boost clock that a long one (or a serving GPU) cannot hold at the board's power limit."""
+        samples, stop = [], threading.Event()
+
+        def sample():
+            while not stop.is_set():
+                s = _nvidia_smi(SUSTAIN_QUERY, units=False)
+                if s:
+                    samples.append(s)
+                stop.wait(SUSTAIN_SAMPLE_S)
+
+        thread = threading.Thread(target=sample, daemon=True)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        replays, t_end = 0, time.perf_counter() + self.sustain_s
+        thread.start()
+        with self._held():
+            start.record()
+            while time.perf_counter() < t_end:
+                graph.replay()
+                replays += 1
+                if replays % 4 == 0:
+                    torch.cuda.synchronize()  # the host stays at most 4 replays ahead of the GPU
+            end.record()
+            end.synchronize()
+        stop.set()
+        thread.join()
+        summary = load_summary(samples)
+        return {"us_sustained": start.elapsed_time(end) * 1e3 / (replays * k), "sustained_s": self.sustain_s,
+                **{f"sustained_{key}": v for key, v in summary.items()}}
 
     def time(self, fn, sets, graph: bool = True) -> dict:
-        """Median µs per call of ``fn(*sets[k % n])`` (graph replay or eager events)."""
-        note = None
+        """Median µs per call of ``fn(*sets[k % n])`` (graph replay or eager events); with
+        ``sustain_s`` set, graph replays also give ``_sustain``'s fields."""
+        note, sustained = None, {}
         if not self.cuda:
             ts, how, k = self._cpu_time(fn, sets, CPU_REPS)
         elif graph:
             try:
-                ts, k = self._graph_time(fn, sets, GRAPH_REPS[self.mode])
+                ts, k, sustained = self._graph_time(fn, sets, GRAPH_REPS[self.mode])
                 how = "cuda-graph replay"
             except Exception as e:  # noqa: BLE001  (capture refused: fall back to eager events)
                 torch.cuda.synchronize()
@@ -340,6 +407,7 @@ class Ctx:
                "reps": len(ts), "calls_per_replay": k, "timing": how}
         if note:
             out["timing_note"] = note
+        out.update(sustained)
         return out
 
     def run(self, fn, make_set, *, bytes: int, ws_bytes: int | None = None, alloc_bytes: int | None = None,

@@ -10,7 +10,9 @@ Takes the case of ``--op`` whose label is ``--case`` (``run_all.py``'s full mode
 ``fixed`` is what every call pays whatever its size (launch, ramp-up, drain); the steady
 fraction, floor per unit / ``per_unit``, is what longer calls approach. The impl ``copy`` is a
 streaming kernel moving the case's bytes (``Ctx.copy_unit``, graph replay like the ops): its fit is
-the fixed cost any kernel of that size pays. The JSON holds the
+the fixed cost any kernel of that size pays. ``--sustain-s S`` also replays each point's graph back
+to back for S seconds while sampling the SM clock, board power and throttle reasons (``Ctx.sustain_s``):
+whether a call's time at a size depends on a clock the GPU cannot hold. The JSON holds the
 environment (GPU, versions, commit), the copy bandwidth, every record and the fits.
 """
 
@@ -45,6 +47,8 @@ def main(argv=None) -> int:
                    help="comma-separated implementations; copy: a streaming kernel moving the same bytes")
     p.add_argument("--mode", default="full", choices=("full", "dry"), help="dry: the interpreter, tiny sizes")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--sustain-s", type=float, default=0.0,
+                   help="also replay each point back to back this many seconds, sampling clocks and power")
     p.add_argument("--out", default=None, help="JSON path")
     a = p.parse_args(argv)
 
@@ -52,6 +56,7 @@ def main(argv=None) -> int:
     seed_path = harness.default_seed_path()
     seed, err = harness.load_seed(seed_path)
     ctx = harness.Ctx(a.mode, a.device, seed, err, check=False)
+    ctx.sustain_s = a.sustain_s
     mod = harness.load_op_module(a.op)
     base = next((c for c in mod.cases("full") if c["label"] == a.case), None)
     if base is None or a.key not in base:
@@ -71,10 +76,14 @@ def main(argv=None) -> int:
             else:
                 rec = mod.bench(ctx, case, impl)
             floor = rec["bytes"] / copy / 1e3 if copy and rec.get("bytes") else None
+            sustained = {k: v for k, v in rec.items() if k.startswith(("us_sustained", "sustained_"))}
             records.append(dict(case=case["label"], size=size, impl=impl, us=rec.get("us"), bytes=rec.get("bytes"),
-                                floor_us=floor))
+                                floor_us=floor, **sustained))
             frac = f"{floor / rec['us']:.3f} of copy BW" if floor and rec.get("us") else ""
-            print(f"{case['label']:28s} {impl:6s} {rec.get('us') or float('nan'):12.3f} us  {frac}", flush=True)
+            load = (f"  sustained {sustained['us_sustained']:.3f} us at {sustained['sustained_sm_mhz']} MHz, "
+                    f"{sustained['sustained_power_w']} W, throttle {sustained['sustained_throttle_mask']}"
+                    if sustained.get("us_sustained") else "")
+            print(f"{case['label']:28s} {impl:6s} {rec.get('us') or float('nan'):12.3f} us  {frac}{load}", flush=True)
     fits = {}
     for impl in impls:
         rs = [r for r in records if r["impl"] == impl and r["us"]]

@@ -484,11 +484,13 @@ def test_size_sweep_scales_one_parameter_and_fits(tmp_path, capsys, monkeypatch)
     monkeypatch.setenv("KPOOL_BACKEND", "torch")
     out = tmp_path / "sweep.json"
     rc = sweep.main(["--op", "expand", "--case", "P=4 rows=8192 topk=2048", "--key", "rows", "--sizes", "2,3,5",
-                     "--impls", "copy,ours", "--mode", "dry", "--device", "cpu", "--out", str(out)])
+                     "--impls", "copy,ours", "--mode", "dry", "--device", "cpu", "--sustain-s", "0.5",
+                     "--out", str(out)])
     doc = json.loads(out.read_text())
     assert rc == 0 and [(r["case"], r["impl"]) for r in doc["records"]] == [
         (f"P=4 rows={n} topk=2048", impl) for n in (2, 3, 5) for impl in ("ours", "copy")]
     assert all(r["us"] > 0 and r["bytes"] > 0 and r["floor_us"] is None for r in doc["records"])
+    assert not any("us_sustained" in r for r in doc["records"])  # sustained load: graph replays (CUDA) only
     ours, copy = ([r for r in doc["records"] if r["impl"] == i] for i in ("ours", "copy"))
     assert [c["bytes"] for c in copy] == [max(o["bytes"] // 16, 1) * 16 for o in ours]  # the op's bytes
     assert set(doc["fits"]) == {"ours", "copy"} and doc["meta"]["torch"] == torch.__version__
@@ -499,3 +501,27 @@ def test_size_sweep_scales_one_parameter_and_fits(tmp_path, capsys, monkeypatch)
             sweep.main(base + bad)
     err = capsys.readouterr().err
     assert "no full-mode case" in err and "name one beside it" in err
+
+
+def test_sustained_load_samples(tmp_path, monkeypatch):
+    """``harness._nvidia_smi`` reads one CSV line of the query's fields (bare numbers with
+    ``units=False``), ``{}`` without nvidia-smi; ``load_summary`` takes the clock's median and
+    least, the power's median and most, ORs the throttle masks and skips unreadable values."""
+    harness = _load("harness")
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(f'#!/bin/sh\necho "$2" > {tmp_path / "args"}\necho "1755, 688.25, 0x0000000000000004"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert harness._nvidia_smi(harness.SUSTAIN_QUERY, units=False) == {
+        "clocks.sm": "1755", "power.draw": "688.25", "clocks_throttle_reasons.active": "0x0000000000000004"}
+    assert (tmp_path / "args").read_text().strip() == "--format=csv,noheader,nounits"
+    fake.unlink()
+    assert harness._nvidia_smi(harness.SUSTAIN_QUERY, units=False) == {}
+    samples = [{"clocks.sm": "1980", "power.draw": "612.5", "clocks_throttle_reasons.active": "0x0000000000000000"},
+               {"clocks.sm": "1755", "power.draw": "699.0", "clocks_throttle_reasons.active": "0x0000000000000004"},
+               {"clocks.sm": "1800", "power.draw": "[N/A]", "clocks_throttle_reasons.active": "0x0000000000000020"},
+               {"power.draw": "650.0"}]
+    assert harness.load_summary(samples) == {"samples": 4, "sm_mhz": 1800.0, "sm_mhz_min": 1755.0,
+                                             "power_w": 650.0, "power_w_max": 699.0, "throttle_mask": "0x24"}
+    assert harness.load_summary([]) == {"samples": 0, "sm_mhz": None, "sm_mhz_min": None, "power_w": None,
+                                        "power_w_max": None, "throttle_mask": None}
