@@ -11,9 +11,17 @@ Implementations (same inputs, same generator seeds):
 Bytes (memory floor): keys + gates read once (``n*P*128*2*2``), ``ape`` once, ``loc``
 (int64) once, one 132-byte entry written per pool. ``loc``: consecutive slots inside
 randomly permuted pages (how a prefill lays out a request's pools).
+
+``KPOOL_BENCH_GATES`` places the gates against the keys (every impl alike; the README's records
+are ``apart``): ``apart``, two allocations (at 262,144 pools, 2^28 bytes each); ``offset``, one
+buffer with the gates ``GATES_OFFSET`` bytes after the keys' end; ``interleaved``, each token's key
+and gate side by side (``[n, P, 2, 128]``). For ``benchmarks/ab.py``: whether a time depends on
+where the two streams fall in DRAM.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -25,9 +33,14 @@ PAGE = 64
 HEAD = 128
 FP8 = torch.float8_e4m3fn
 CHECK_POOLS = 16_384  # pools in the exactness check (CPU reference)
+GATE_PLACEMENTS = ("apart", "offset", "interleaved")
+GATES = os.environ.get("KPOOL_BENCH_GATES", "apart")  # module docstring
+GATES_OFFSET = 6 << 10  # bytes between the keys' end and the gates' start (``offset``)
 
 
 def cases(mode):
+    if GATES not in GATE_PLACEMENTS:
+        raise ValueError(f"KPOOL_BENCH_GATES must be one of {GATE_PLACEMENTS}, got {GATES!r}")
     if mode == "dry":
         sizes = [(4, 16), (16, 16)]
     elif mode == "quick":
@@ -64,15 +77,27 @@ def check_exact(ctx, fn, p, n):
             "exact_note": f"whole cache ({n_chk} pools) vs the torch reference on the CPU: {diff} bytes differ"}
 
 
+def keys_and_gates(ctx, p, n, seed, placement):
+    """bf16 keys and gates ``[n, p, 128]`` each, placed as ``placement`` (``GATE_PLACEMENTS``)."""
+    if placement == "apart":
+        return ctx.randn((n, p, HEAD), seed), ctx.randn((n, p, HEAD), seed + 1)
+    numel = n * p * HEAD
+    if placement == "offset":
+        pad = GATES_OFFSET // 2  # bf16 elements
+        buf = ctx.randn((2 * numel + pad,), seed)
+        return buf[:numel].view(n, p, HEAD), buf[numel + pad:].view(n, p, HEAD)
+    buf = ctx.randn((n, p, 2, HEAD), seed)  # interleaved
+    return buf[:, :, 0], buf[:, :, 1]
+
+
 def make_inputs(ctx, p, n, i):
     base = 1000 * i + 17 * p
     num_pages = cdiv(n, PAGE) + 1
     pages = ctx.randperm(num_pages, base + 3)
     j = torch.arange(n, device=ctx.device)
     loc = pages[j // PAGE] * PAGE + j % PAGE
-    return (ctx.rand_bytes((num_pages, PAGE, HEAD + 4), base + 4),
-            ctx.randn((n, p, HEAD), base + 1),
-            ctx.randn((n, p, HEAD), base + 2),
+    k, g = keys_and_gates(ctx, p, n, base + 1, GATES)
+    return (ctx.rand_bytes((num_pages, PAGE, HEAD + 4), base + 4), k, g,
             ctx.randn((p, HEAD), base + 5, dtype=torch.float32, scale=0.5),
             loc.to(torch.int64))
 
@@ -94,7 +119,7 @@ def bench(ctx, case, impl):
             reference.compress_and_write(kv, k, g, ape, loc, None, FP8, "plain")
     else:
         raise ValueError(impl)
-    extra = {"layout": "preshuffle" if impl == "seed" else "plain"}
+    extra = {"layout": "preshuffle" if impl == "seed" else "plain", "gates": GATES}
     if impl == "ours" and ctx.check:
         extra.update(check_exact(ctx, fn, p, n))
     nbytes = floor_bytes(p, n)

@@ -525,3 +525,30 @@ def test_sustained_load_samples(tmp_path, monkeypatch):
                                              "power_w": 650.0, "power_w_max": 699.0, "throttle_mask": "0x24"}
     assert harness.load_summary([]) == {"samples": 0, "sm_mhz": None, "sm_mhz_min": None, "power_w": None,
                                         "power_w_max": None, "throttle_mask": None}
+
+
+@pytest.mark.parametrize("placement", ["apart", "offset", "interleaved"])
+def test_compress_gate_placements(placement, monkeypatch):
+    """``KPOOL_BENCH_GATES``: the compress benchmark's gates two allocations apart, a few KB after
+    the keys in one buffer, or interleaved with them per token; the Triton kernel writes the
+    reference's bytes from each; another name is refused by ``cases``."""
+    harness, bc = _load("harness"), _load("bench_compress")
+    monkeypatch.setenv("KPOOL_BACKEND", "triton")  # the kernel reads the views; the oracle, CPU copies
+    monkeypatch.setattr(bc, "GATES", placement)
+    ctx = harness.Ctx("dry", "cpu", check=True)
+    p, n = 4, 40
+    kv, k, g, ape, loc = bc.make_inputs(ctx, p, n, 0)
+    assert k.shape == g.shape == (n, p, 128) and k.dtype == g.dtype == torch.bfloat16
+    step = g.data_ptr() - k.data_ptr()
+    if placement == "offset":
+        assert step == n * p * 128 * 2 + bc.GATES_OFFSET
+    elif placement == "interleaved":
+        assert step == 256 and k.stride() == g.stride() == (p * 256, 256, 1)
+    else:
+        assert k.is_contiguous() and g.is_contiguous()
+    assert [c["label"] for c in bc.cases("dry")] == ["P=4 pools=16", "P=16 pools=16"]
+    rec = bc.bench(ctx, bc.cases("dry")[0], "ours")
+    assert rec["exact"] and rec["gates"] == placement, rec.get("exact_note")
+    monkeypatch.setattr(bc, "GATES", "together")
+    with pytest.raises(ValueError, match="KPOOL_BENCH_GATES"):
+        bc.cases("dry")
