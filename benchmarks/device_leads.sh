@@ -21,12 +21,13 @@
 #   c8      c8_<op>.json: ab.py of compress and prefill P=4, main / 8 dims per thread (a copy of src/
 #           with the writers' max_contiguous hints at 8)
 #   gpu.txt each step's exit status; *.log each step's output
-# The ab.py records are for comparison only (no byte checks).
+# The ab.py records are for comparison only (no byte checks). On an H100, where the P=4 writers are
+# memory-bound, AB_EXTRA="--occupy-sms 0,39" also times them with 39 SMs held (an H200's bandwidth per SM).
 cd "$(dirname "$0")/.." || exit 1
 : "${OUT:?set OUT}" "${COMMIT:?set COMMIT to the hash of HEAD}"
 export PYTHONUNBUFFERED=1 KPOOL_GIT_COMMIT=$COMMIT PYTHONPATH=src
 STEPS=${STEPS:-tiles,sweep}
-AB="python3 benchmarks/ab.py --seed-path .seed/seed_kpool.py"
+AB="python3 benchmarks/ab.py --seed-path .seed/seed_kpool.py ${AB_EXTRA:-}"  # e.g. --occupy-sms 0,39 on an H100
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv > "$OUT/gpu.txt" 2>&1
 
 step_tiles() {
