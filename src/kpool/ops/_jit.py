@@ -312,13 +312,19 @@ def pool_vector(k_ptr, g_ptr, k_off, g_off, k_step, g_step,
 
 
 @triton.jit
+def store_ring_rows(dst, tail_head, k, g, mask):
+    """Key rows ``k`` at ring pointers ``dst``, gate rows ``g`` ``tail_head`` elements further, where ``mask``."""
+    tl.store(dst, k, mask=mask)
+    tl.store(dst + tail_head, g, mask=mask)
+
+
+@triton.jit
 def copy_rows_to_ring(tail_ptr, tail_head, dst_row, key_ptr, k_row, g_ptr, g_row, take, d):
     """Copy bf16 key / gate rows (element offsets ``k_row``/``g_row``) to ring rows ``dst_row`` where ``take``."""
     m = take[:, None]
     k = tl.load(key_ptr + k_row[:, None] + d[None, :], mask=m)
     g = tl.load(g_ptr + g_row[:, None] + d[None, :], mask=m)
-    tl.store(tail_ptr + dst_row[:, None] + d[None, :], k, mask=m)
-    tl.store(tail_ptr + tail_head + dst_row[:, None] + d[None, :], g, mask=m)
+    store_ring_rows(tail_ptr + dst_row[:, None] + d[None, :], tail_head, k, g, m)
 
 
 @triton.jit

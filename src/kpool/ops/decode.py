@@ -114,17 +114,10 @@ def _load_rows(key_ptr, key_row, g_ptr, g_row, ok, d):
 
 
 @triton.jit
-def _stash_rows(dst, tail_head, k, g, mask):
-    # Key rows ``k`` at ring pointers ``dst``, gate rows ``g`` ``tail_head`` elements further, where ``mask``.
-    tl.store(dst, k, mask=mask)
-    tl.store(dst + tail_head, g, mask=mask)
-
-
-@triton.jit
 def _stash_tile(ring, tail_head, pos0, j, n_reg, k, g, d, RING: tl.constexpr):
     # A regular step's stash: rows j < n_reg of the [NB, 128] tiles at ring slots (pos0 + j) % RING.
     keep = (j < n_reg)[:, None] & (d[None, :] < 128)  # next_n <= RING - P + 1: no stash overwrites another
-    _stash_rows(ring + ((pos0 + j) % RING)[:, None] * 128 + d[None, :], tail_head, k, g, keep)
+    _jit.store_ring_rows(ring + ((pos0 + j) % RING)[:, None] * 128 + d[None, :], tail_head, k, g, keep)
 
 
 @triton.jit
@@ -154,7 +147,7 @@ def _in_order_step(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_bl
         dst = tail_ptr + ring_off + (pos % RING) * 128 + d
         rows = d < tl.where(stash, 128, 0)  # as in _load_rows: a vector mask
         if STASH_FIRST:
-            _stash_rows(dst, tail_head, k, g, rows)
+            _jit.store_ring_rows(dst, tail_head, k, g, rows)
         if stash & (pos % P == P - 1) & (loc >= 0) & (loc < num_slots):
             # slots 0..P-2 from the ring as this step left it, slot P-1 is token j itself
             x = _jit.pool_vector(key_ptr, g_ptr, one + key_row, one + g_row, 0, 0,
@@ -163,7 +156,7 @@ def _in_order_step(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_bl
             _jit.encode_and_store(kv_ptr, kv_f32_ptr, page_stride, x, one + loc, one == 0, d, 1, PAGE, PRESHUFFLE,
                                   FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)
         if not STASH_FIRST:
-            _stash_rows(dst, tail_head, k, g, rows)
+            _jit.store_ring_rows(dst, tail_head, k, g, rows)
         tl.debug_barrier()  # token j's ring writes precede token j + 1's ring reads
         k, g, ts, loc, pos = k1, g1, ts1, loc1, pos1
 
