@@ -143,3 +143,21 @@ class ReadBacks(TorchFunctionMode):
         if getattr(func, "__name__", "") in self.READS:
             self.reads.append(func.__name__)
         return func(*args, **(kwargs or {}))
+
+
+def spy_launches(monkeypatch, module, kernel: str, arg: str) -> list:
+    """Replace ``module.<kernel>`` (a ``@triton.jit`` function its launcher indexes with a grid)
+    by one that records each launch's keyword ``arg`` and then launches: the list it fills."""
+    real, seen = getattr(module, kernel), []
+
+    class Spy:
+        def __getitem__(self, grid):
+            launch = real[grid]
+
+            def run(*args, **kwargs):
+                seen.append(kwargs[arg])
+                return launch(*args, **kwargs)
+            return run
+
+    monkeypatch.setattr(module, kernel, Spy())
+    return seen

@@ -19,7 +19,7 @@ from kpool import numerics, reference
 from kpool.layout import fp8_max, resolve_fp8_dtype
 from kpool.ops import compress
 
-from _util import GarbageTorch, assert_bytes_equal, random_bytes_like
+from _util import GarbageTorch, assert_bytes_equal, random_bytes_like, spy_launches
 
 FP8 = {"e4m3fn": torch.float8_e4m3fn, "e4m3fnuz": torch.float8_e4m3fnuz}
 ENTRY = 132
@@ -136,6 +136,33 @@ def test_matches_reference(backend, device, pool, page, layout, fp8_name):
     assert out is None
     assert_bytes_equal(cache.buf, want_buf, f"kv_cache buffer ({backend} vs reference)")
     assert_bytes_equal(cache.buf, spec_write(before, loc, codes, scale, layout), "kv_cache buffer vs SPEC §3 model")
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 6, 7])
+@pytest.mark.parametrize("pool", [4, 16])
+def test_ragged_grids(device, pool, n, monkeypatch):
+    """Programs of up to 2 pools (as on a GPU at P=4): a ragged grid's last program reads the last
+    2 pools and writes only its own; fewer pools than a program takes shrink the tile. The whole
+    buffer and the returned entries equal the reference's."""
+    monkeypatch.setenv("KPOOL_BACKEND", "triton")
+    monkeypatch.setattr(compress, "INTERPRETER_BLOCK_POOLS", 2)
+    monkeypatch.setattr(compress, "BLOCK_POOLS", {4: 2, 16: 2})
+    tiles = spy_launches(monkeypatch, compress, "_compress_kernel", "BN")
+    cache = Cache(num_pages=2, page=32, device=device, seed=n, pad=4)
+    k, s, ape = make_pools(n, pool, device, seed=3 * n)
+    loc = make_loc(n, cache.num_slots, device, seed=n, n_sentinel=1)
+    want_buf, codes, scale = run_ref(cache, k, s, ape, loc, pool, "plain", torch.float8_e4m3fn)
+    got = kpool.kpool_compress_and_write_cache(cache.kv, k, s, ape, loc, pool, return_compressed=True,
+                                               layout="plain", fp8_dtype=torch.float8_e4m3fn)
+    assert tiles == [min(n, 2)]
+    assert_bytes_equal(cache.buf, want_buf, f"kv_cache buffer ({n} pools, tiles of {tiles[0]})")
+    assert_bytes_equal(got[0], codes, "codes")
+    assert_bytes_equal(got[1], scale, "scale")
+
+
+def test_block_pools_never_exceed_the_pools(monkeypatch):
+    monkeypatch.setattr(compress, "INTERPRETER_BLOCK_POOLS", 16)
+    assert [compress.block_pools(4, n) for n in (1, 2, 3, 7, 8, 15, 16, 17, 1000)] == [1, 2, 2, 4, 8, 8, 16, 16, 16]
 
 
 @pytest.mark.parametrize("layout", ["plain", "preshuffle"])

@@ -14,7 +14,7 @@ import torch
 from kpool import prefill_plan, reference, write_prefill
 from kpool.layout import entry_byte_offsets, flat_bytes, ring_size
 
-from _util import assert_bytes_equal, random_bytes_like
+from _util import assert_bytes_equal, random_bytes_like, spy_launches
 
 P, PAGE, D = 4, 16, 128
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -51,6 +51,26 @@ def test_plan_writes(backend):
     codes, scales = entry_byte_offsets(kv, plan.pool_locs.to(DEVICE), "plain")
     assert changed <= set(codes.flatten().tolist() + scales.flatten().tolist())
     assert sorted(plan.pool_locs.tolist()) == [0, 1, 2 * PAGE, 2 * PAGE + 1]
+
+
+@pytest.mark.parametrize("n_pools", [1, 2, 3])
+def test_ragged_pool_grids(n_pools, monkeypatch):
+    """Pool programs of up to 2 pools (as on a GPU at P=4): a ragged grid's last program reads
+    the last 2 pools of the table and writes only its own; the reference's bytes either way."""
+    from kpool.ops import compress, prefill
+    monkeypatch.setenv("KPOOL_BACKEND", "triton")
+    monkeypatch.setattr(compress, "INTERPRETER_BLOCK_POOLS", 2)
+    tiles = spy_launches(monkeypatch, prefill, "_prefill_kernel", "BN")
+    kv, tail, key, gate, ape, plan = _batch()
+    pools = plan.pools[:n_pools]  # pools are independent programs: a shorter table writes fewer
+    kv_ref, tail_ref = kv.cpu().clone(), tail.cpu().clone()
+    reference.write_prefill(kv_ref, tail_ref, key.cpu(), gate.cpu(), ape.cpu(), pools, plan.requests, P,
+                            torch.float8_e4m3fn, "plain")
+    write_prefill(kv, tail, key, gate, ape, pools.to(DEVICE), plan.requests.to(DEVICE), P, layout="plain",
+                  fp8_dtype=torch.float8_e4m3fn)
+    assert tiles == [min(n_pools, 2)]
+    assert_bytes_equal(kv.cpu(), kv_ref, f"kv_cache ({n_pools} pools)")
+    assert_bytes_equal(tail.cpu(), tail_ref, "tail")
 
 
 BAD = [  # (table, row, column, value, message)

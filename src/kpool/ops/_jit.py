@@ -208,6 +208,24 @@ def encode_and_store(kv_ptr, kv_f32_ptr, page_stride, x, loc, ok, d, BN: tl.cons
 
 
 @triton.jit
+def pool_tile(pid, n, BN: tl.constexpr):
+    """Pools of program ``pid`` in a grid of ``cdiv(n, BN)`` (``n >= BN``): ``i [BN]`` it reads,
+    ``own [BN]`` those it writes and ``read [BN]``, the mask of its loads.
+
+    ``BN > 1``: ``[pid*BN, pid*BN + BN)``, except that a ragged grid's last program reads the last
+    BN pools, the first of them its neighbour's (read again, not written); every pool read exists,
+    so ``read`` is all true and the load masks fold away (sm_90, compress P=4: 1,135 -> 1,084
+    instructions through the last EXIT; benchmarks/LOG.md, 67th session). ``BN == 1``: pool
+    ``pid``, ``read = own = pid < n`` (unmasked loads made the P=16 prefill writer spill more)."""
+    first = pid.to(tl.int64) * BN
+    if BN == 1:
+        i = first + tl.arange(0, BN)
+        return i, i < n, i < n
+    i = tl.minimum(first, n - BN) + tl.arange(0, BN)
+    return i, i >= first, tl.full((BN,), 1, tl.int1)
+
+
+@triton.jit
 def load_slot(ptr, tok_off, ring_ptr, ring_row, in_ring, live, d, HAS_RING: tl.constexpr, ROW_SELECT: tl.constexpr):
     """fp32 ``[BN, 128]`` rows of one pool slot: token rows at element offsets ``tok_off``,
     or (``HAS_RING`` and ``in_ring``) ring rows at ``ring_row``; rows not ``live`` read 0.

@@ -44,30 +44,34 @@ def _compress_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots,
                      PDL: tl.constexpr):
     _pdl.grid_dependency_sync(PDL)
     # One program per BN pools; pool i's slot s is at k_ptr + i*k_pool_stride + s*k_slot_stride.
-    i = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
+    i, own, read = _jit.pool_tile(tl.program_id(0), n_pools, BN)
     # contiguity 4: the bf16 rows are loaded 4 dims per thread, the layout of the fp32 ape rows,
     # so those need no shuffles (H200, P=4, 262,144 pools: 174.4 -> 169.9 us; P=16 unchanged)
     d = tl.max_contiguous(tl.arange(0, 128), 4)
-    live = i < n_pools
     if WRITE_CACHE:  # slots loaded first: their round trip overlaps the rows' instead of ending the program
-        loc = tl.load(loc_ptr + i, mask=live, other=-1).to(tl.int64)
-        ok = live & (loc >= 0) & (loc < num_slots)
+        loc = tl.load(loc_ptr + i, mask=read, other=-1).to(tl.int64)
+        ok = own & (loc >= 0) & (loc < num_slots)
         if HAS_MASK:
-            ok = ok & (tl.load(mask_ptr + i, mask=live, other=0) != 0)
+            ok = ok & (tl.load(mask_ptr + i, mask=read, other=0) != 0)
     x = _jit.pool_vector(k_ptr, g_ptr, i * k_pool_stride, i * g_pool_stride, k_slot_stride, g_slot_stride,
-                         k_ptr, i, 0, i, i, ape_ptr, ape_stride, d, live, BN, P, P, False, False,
+                         k_ptr, i, 0, i, i, ape_ptr, ape_stride, d, read, BN, P, P, False, False,
                          BN * P <= LOADS_FIRST_SLOTS)
     codes, scale = _jit.quantize(_jit.rotate(x, BN), FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)
     if WRITE_CACHE:
         _jit.store_entries(kv_ptr, kv_f32_ptr, page_stride, loc, ok, codes, scale, d, PAGE, PRESHUFFLE)
     if RETURN_COMPRESSED:
-        tl.store(codes_ptr + i[:, None] * 128 + d[None, :], codes, mask=live[:, None])
-        tl.store(scale_ptr + i, scale, mask=live)
+        tl.store(codes_ptr + i[:, None] * 128 + d[None, :], codes, mask=own[:, None])
+        tl.store(scale_ptr + i, scale, mask=own)
 
 
-def block_pools(pool_size: int) -> int:
-    """Pools per program of the pool writers (``BLOCK_POOLS``; the interpreter's own size on the CPU)."""
-    return INTERPRETER_BLOCK_POOLS if interpreting() else BLOCK_POOLS.get(pool_size, 1)
+def block_pools(pool_size: int, n_pools: int) -> int:
+    """Pools per program of the pool writers over ``n_pools >= 1`` pools: ``BLOCK_POOLS`` (the
+    interpreter's own size on the CPU), halved while it exceeds ``n_pools`` (``_jit.pool_tile``:
+    a program's pools all exist)."""
+    block = INTERPRETER_BLOCK_POOLS if interpreting() else BLOCK_POOLS.get(pool_size, 1)
+    while block > n_pools:
+        block //= 2
+    return block
 
 
 def launch_compress(kv_cache, k, g, ape, loc, n_pools, pool_size, fp8_dtype, layout,
@@ -79,7 +83,7 @@ def launch_compress(kv_cache, k, g, ape, loc, n_pools, pool_size, fp8_dtype, lay
     write = kv_cache is not None
     cache_u8 = kv_cache if write else k  # unused pointers point at k
     cache_f32 = kv_cache.view(torch.float32) if write else k
-    block = block_pools(pool_size)
+    block = block_pools(pool_size, n_pools)
     _compress_kernel[(cdiv(n_pools, block),)](
         cache_u8, cache_f32, kv_cache.stride(0) if write else 0,
         kv_cache.shape[0] * kv_cache.shape[1] if write else 0,

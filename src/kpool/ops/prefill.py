@@ -45,15 +45,14 @@ def _prefill_kernel(kv_ptr, kv_f32_ptr, page_stride, num_slots, tail_ptr, tail_b
     pid = tl.program_id(0)
     d = tl.arange(0, 128)
     if pid < n_pool_programs:
-        i = pid.to(tl.int64) * BN + tl.arange(0, BN)
-        live = i < n_pools
+        i, own, read = _jit.pool_tile(pid, n_pools, BN)
         dv = tl.max_contiguous(d, 4)  # as in _compress_kernel (H200, P=4: 47.97 -> 46.37 us)
-        row = tl.load(pool_ptr + i * 2, mask=live, other=0)
-        loc = tl.load(pool_ptr + i * 2 + 1, mask=live, other=-1)
+        row = tl.load(pool_ptr + i * 2, mask=read, other=0)
+        loc = tl.load(pool_ptr + i * 2 + 1, mask=read, other=-1)
         x = _jit.pool_vector(key_ptr, g_ptr, row * key_stride, row * g_stride, key_stride, g_stride,
-                             tail_ptr, row, 0, row, row, ape_ptr, ape_stride, dv, live, BN, P, RING, False, False,
-                             BN * P <= LOADS_FIRST_SLOTS)
-        _jit.encode_and_store(kv_ptr, kv_f32_ptr, page_stride, x, loc, live & (loc >= 0) & (loc < num_slots), dv,
+                             tail_ptr, row, 0, row, row, ape_ptr, ape_stride, dv, read, BN, P, RING,
+                             False, False, BN * P <= LOADS_FIRST_SLOTS)
+        _jit.encode_and_store(kv_ptr, kv_f32_ptr, page_stride, x, loc, own & (loc >= 0) & (loc < num_slots), dv,
                               BN, PAGE, PRESHUFFLE, FP8_MAX, FNUZ, ROUND_SCALE, NATIVE_FP8)
     else:
         req = req_ptr + (pid - n_pool_programs).to(tl.int64) * _REQUEST_FIELDS
@@ -168,7 +167,7 @@ def launch_prefill(kv_cache, tail, key, gate, ape, pools, requests, pool_size, l
         reference.write_prefill(kv_cache, tail, key, gate, ape, pools, requests, pool_size, fp8_dtype, layout,
                                 round_scale)
         return
-    block = block_pools(pool_size)
+    block = block_pools(pool_size, max(n, 1))
     programs = cdiv(n, block)
     _prefill_kernel[(programs + r,)](
         kv_cache, kv_cache.view(torch.float32), kv_cache.stride(0), kv_cache.shape[0] * kv_cache.shape[1],
