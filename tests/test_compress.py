@@ -161,8 +161,13 @@ def test_ragged_grids(device, pool, n, monkeypatch):
 
 
 def test_block_pools_never_exceed_the_pools(monkeypatch):
+    """Both sizes (the GPU's ``BLOCK_POOLS``, the interpreter's own), whatever runs the test."""
+    monkeypatch.setattr(compress, "interpreting", lambda: True)
     monkeypatch.setattr(compress, "INTERPRETER_BLOCK_POOLS", 16)
     assert [compress.block_pools(4, n) for n in (1, 2, 3, 7, 8, 15, 16, 17, 1000)] == [1, 2, 2, 4, 8, 8, 16, 16, 16]
+    monkeypatch.setattr(compress, "interpreting", lambda: False)
+    monkeypatch.setattr(compress, "BLOCK_POOLS", {4: 2})
+    assert [compress.block_pools(p, n) for p in (4, 16) for n in (1, 2, 3, 1000)] == [1, 2, 2, 2, 1, 1, 1, 1]
 
 
 @pytest.mark.parametrize("layout", ["plain", "preshuffle"])
