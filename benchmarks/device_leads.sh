@@ -1,23 +1,17 @@
 #!/bin/bash
-# Device calls (an H200) that time the open leads benchmarks/NOTES.md lists as ready but untimed
-# (67th session), from the repo root:
+# A device call (an H200) that times the open leads benchmarks/NOTES.md lists as untimed, from the
+# repo root:
 #
-#   rm -rf .abvar_tiles && mkdir .abvar_tiles && git archive pool-tiles src tests | tar -x -C .abvar_tiles  # here, first
-#   COMMIT=<git rev-parse HEAD, run here> STEPS=tiles,sweep bash benchmarks/device_leads.sh
-#   COMMIT=<...> STEPS=warps,c8 bash benchmarks/device_leads.sh
+#   COMMIT=<git rev-parse HEAD, run here> STEPS=sweep,warps,c8 bash benchmarks/device_leads.sh
 #
-# with the seed carried as .seed/seed_kpool.py and the branch's tree as .abvar_tiles (carry
-# [".seed", ".abvar_tiles"], timeout_s 600); each pair of steps takes about 5-8 minutes. Steps
-# (each with its own timeout, so a step cut short still leaves the others' files), under $OUT:
-#   tiles   branch `pool-tiles` (the P=4 writers' tiles read only existing pools: no load masks):
-#           tiles_<op>.json, ab.py of compress and prefill, main / tiles / main; tiles_pytest.log, the
-#           branch's GPU tests of both writers (its tests/ with its src/); tiles_exactness.log, `kpool.exactness
-#           --ops compress` at a ragged pool count on it. Land the branch only if all three agree.
+# with the seed carried as .seed/seed_kpool.py (carry [".seed"], timeout_s 600); about 5-8 minutes
+# for all three. Steps (each with its own timeout, so a step cut short still leaves the others'
+# files), under $OUT:
 #   sweep   sweep_<gates>.json: size_sweep.py of compress P=4 at 131K / 262K / 524K pools, ours and
 #           copy, each point also replayed for 2 s with the SM clock, power and throttle reasons
 #           sampled, for KPOOL_BENCH_GATES apart / offset / interleaved (why ours falls off above 131K)
-#   warps   warps_p4.json: ab.py of decode P=4 at B 512 / 1,024, next_n 1 / 2 / 4, 1 (main) / 2 / 4
-#           warps per program; warps_p16.json: P=16 B=1,024 next_n 2 / 4, main / 4 warps at 64 registers
+#   warps   warps_p16.json: decode P=16 B=1,024 next_n 2 / 4, main / 4 warps at 64 registers (the
+#           P=4 half of this lead was timed in the 68th session: it lost)
 #   c8      c8_<op>.json: ab.py of compress and prefill P=4, main / 8 dims per thread (a copy of src/
 #           with the writers' max_contiguous hints at 8)
 #   gpu.txt each step's exit status; *.log each step's output
@@ -26,27 +20,9 @@
 cd "$(dirname "$0")/.." || exit 1
 : "${OUT:?set OUT}" "${COMMIT:?set COMMIT to the hash of HEAD}"
 export PYTHONUNBUFFERED=1 KPOOL_GIT_COMMIT=$COMMIT PYTHONPATH=src
-STEPS=${STEPS:-tiles,sweep}
+STEPS=${STEPS:-sweep,warps,c8}
 AB="python3 benchmarks/ab.py --seed-path .seed/seed_kpool.py ${AB_EXTRA:-}"  # e.g. --occupy-sms 0,39 on an H100
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv > "$OUT/gpu.txt" 2>&1
-
-step_tiles() {
-    if [ ! -d .abvar_tiles/src ]; then
-        echo "tiles: no .abvar_tiles/src (git archive pool-tiles src tests, carried)" >> "$OUT/gpu.txt"
-        return
-    fi
-    for op in compress prefill; do
-        timeout 110 $AB --op $op --cases '^P=(4|16) ' --variant main=src --variant tiles=.abvar_tiles/src \
-            --variant main2=src --out "$OUT/tiles_$op.json" > "$OUT/tiles_$op.log" 2>&1
-        echo "tiles $op rc=$?" >> "$OUT/gpu.txt"
-    done
-    PYTHONPATH=.abvar_tiles/src timeout 120 python3 -m pytest -q -x -n 16 -p no:cacheprovider \
-        .abvar_tiles/tests/test_compress.py .abvar_tiles/tests/test_prefill.py > "$OUT/tiles_pytest.log" 2>&1
-    echo "tiles pytest rc=$?" >> "$OUT/gpu.txt"
-    PYTHONPATH=.abvar_tiles/src timeout 90 python3 -m kpool.exactness --ops compress --pools 65537 \
-        > "$OUT/tiles_exactness.log" 2>&1
-    echo "tiles exactness rc=$?" >> "$OUT/gpu.txt"
-}
 
 step_sweep() {
     for gates in apart offset interleaved; do
@@ -58,14 +34,8 @@ step_sweep() {
 }
 
 step_warps() {
-    local w2='import kpool.ops.decode as m; m.decode_warps = lambda b, n: 4 if b <= m.SMALL_BATCH else 2'
-    local w4='import kpool.ops.decode as m; m.SMALL_BATCH = 1 << 20'
     local c4='import kpool.ops.decode as m; m.SMALL_BATCH = 1 << 20; m.step_max_regs = lambda nn, p, w: 64 if w == 4 else None'
-    KPOOL_BENCH_DECODE_STEPS=4:512:1,4:512:2,4:512:4 timeout 150 $AB --op decode --cases '^P=4 B=(512|1024) ' \
-        --variant main=src --variant "w2=src::$w2" --variant "w4=src::$w4" --out "$OUT/warps_p4.json" \
-        > "$OUT/warps_p4.log" 2>&1
-    echo "warps p4 rc=$?" >> "$OUT/gpu.txt"
-    timeout 70 $AB --op decode --cases '^P=16 B=1024 next_n=(2|4)$' --variant main=src --variant "w4c64=src::$c4" \
+    timeout 120 $AB --op decode --cases '^P=16 B=1024 next_n=(2|4)$' --variant main=src --variant "w4c64=src::$c4" \
         --out "$OUT/warps_p16.json" > "$OUT/warps_p16.log" 2>&1
     echo "warps p16 rc=$?" >> "$OUT/gpu.txt"
 }
@@ -85,8 +55,8 @@ step_c8() {
 
 for step in ${STEPS//,/ }; do
     case $step in
-        tiles|sweep|warps|c8) "step_$step" ;;
-        *) echo "unknown step $step (tiles, sweep, warps, c8)" >> "$OUT/gpu.txt" ;;
+        sweep|warps|c8) "step_$step" ;;
+        *) echo "unknown step $step (sweep, warps, c8)" >> "$OUT/gpu.txt" ;;
     esac
 done
 cat "$OUT/gpu.txt"
