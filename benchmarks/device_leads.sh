@@ -46,6 +46,11 @@ step_c8() {
     cp -r src "$c8/src"
     sed -i 's/tl.max_contiguous(tl.arange(0, 128), 4)/tl.max_contiguous(tl.arange(0, 128), 8)/' "$c8/src/kpool/ops/compress.py"
     sed -i 's/tl.max_contiguous(d, 4)/tl.max_contiguous(d, 8)/' "$c8/src/kpool/ops/prefill.py"
+    if ! grep -q 'max_contiguous(tl.arange(0, 128), 8)' "$c8/src/kpool/ops/compress.py" ||
+        ! grep -q 'max_contiguous(d, 8)' "$c8/src/kpool/ops/prefill.py"; then
+        echo "c8: the hints were not found (sed matched nothing): not timed" >> "$OUT/gpu.txt"
+        return
+    fi
     for op in compress prefill; do
         timeout 80 $AB --op $op --cases '^P=4 ' --variant main=src --variant "c8=$c8/src" \
             --out "$OUT/c8_$op.json" > "$OUT/c8_$op.log" 2>&1
